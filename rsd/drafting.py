@@ -1,0 +1,173 @@
+"""Drafting strategies: how the draft model's proposals become a tree.
+
+Every strategy is a function over a `Proposal`, the draft's next-token law at given nodes of a
+partial tree, so the same code drives a real model (one tree-masked forward per level) or a toy
+table in the exactness tests. The law a Proposal returns is the law the children are sampled
+from, and it is stored in the tree for the verifier: a drafter that truncates its proposal
+(top-k / top-p of its own) does so inside the Proposal.
+
+    strategy      children of a node                          tree
+    SD            1 sample                                     one chain of L
+    SpecInfer     K_l i.i.d. samples (with replacement)        branching (K_1..K_L)
+    SpecTr        K i.i.d. samples at the root, then 1         K independent chains of L
+    RSD-C         Gumbel-Top-K_l (without replacement)         branching (K_1..K_L)
+    RSD-S         Stochastic Beam Search, width W, depth L     <= W nodes per level, early truncation
+    greedy        the K_l most likely tokens                   branching (K_1..K_L), for temperature 0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from rsd.sampling import gumbel, gumbel_top_k, sample
+from rsd.tree import DraftTree
+
+
+class Proposal(Protocol):
+    def __call__(self, token_ids: Tensor, parent_idx: Tensor, node_idx: Tensor) -> Tensor:
+        """Draft law [F, V] at nodes node_idx [F] of the partial tree (token_ids, parent_idx) [N]."""
+        ...
+
+
+class _TreeBuilder:
+    """Grows a tree level by level; keeps the proposal law of every expanded node."""
+
+    def __init__(self, root_token: int, device: torch.device | str = "cpu"):
+        self.token_ids = [root_token]
+        self.parent_idx = [-1]
+        self.device = device
+        self.probs: dict[int, Tensor] = {}
+
+    def propose(self, proposal: Proposal, nodes: list[int]) -> Tensor:
+        probs = proposal(self._tensor(self.token_ids), self._tensor(self.parent_idx), self._tensor(nodes))
+        self.probs.update(zip(nodes, probs, strict=True))
+        return probs  # [F, V]
+
+    def add(self, parent: int, token: int) -> int:
+        self.token_ids.append(token)
+        self.parent_idx.append(parent)
+        return len(self.token_ids) - 1
+
+    def _tensor(self, values: list[int]) -> Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def build(self, vocab_size: int, dtype: torch.dtype) -> DraftTree:
+        n = len(self.token_ids)
+        draft_probs = torch.zeros(n, vocab_size, dtype=dtype, device=self.device)  # [N, V]
+        for node, probs in self.probs.items():
+            draft_probs[node] = probs
+        return DraftTree(self._tensor(self.token_ids), self._tensor(self.parent_idx), draft_probs)
+
+
+def _check_branching(branching: Sequence[int]) -> None:
+    if len(branching) == 0 or any(int(k) < 1 for k in branching):
+        raise ValueError(f"branching must be a non-empty list of positive ints, got {list(branching)}")
+
+
+def draft_tree(
+    proposal: Proposal,
+    root_token: int,
+    branching: Sequence[int],
+    mode: str,
+    generator: torch.Generator | None = None,
+    device: torch.device | str = "cpu",
+) -> DraftTree:
+    """A tree with branching[l] children per node at depth l, picked by `mode`:
+
+    "without_replacement"  Gumbel-Top-k, RSD-C (SD when every branching is 1)
+    "iid"                  i.i.d. samples with replacement, SpecInfer (SpecTr: branching (K, 1, ..., 1))
+    "greedy"               the most likely tokens, in descending probability
+    A node whose law has fewer than K tokens in its support gets only that many children in the
+    without-replacement and greedy modes.
+    """
+    _check_branching(branching)
+    if mode not in ("without_replacement", "iid", "greedy"):
+        raise ValueError(f"unknown drafting mode {mode!r}")
+    tree = _TreeBuilder(root_token, device)
+    frontier, probs = [0], None
+    for k in branching:
+        probs = tree.propose(proposal, frontier)  # [F, V]
+        if mode == "iid":
+            ids = sample(probs.unsqueeze(1).expand(-1, k, -1), generator)  # [F, k]
+            valid = torch.ones_like(ids, dtype=torch.bool)
+        elif mode == "without_replacement":
+            ids, valid = gumbel_top_k(probs, min(k, probs.shape[-1]), generator)  # [F, k]
+        else:
+            top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)
+            ids, valid = top.indices, top.values > 0
+        frontier = [
+            tree.add(parent, int(tok))
+            for parent, row_ids, row_valid in zip(frontier, ids.tolist(), valid.tolist(), strict=True)
+            for tok, ok in zip(row_ids, row_valid, strict=True)
+            if ok
+        ]
+    return tree.build(probs.shape[-1], probs.dtype)
+
+
+def draft_spectr(
+    proposal: Proposal,
+    root_token: int,
+    num_chains: int,
+    depth: int,
+    generator: torch.Generator | None = None,
+    device: torch.device | str = "cpu",
+) -> DraftTree:
+    """SpecTr: num_chains independent draft sequences of length depth, as a tree of chains."""
+    return draft_tree(proposal, root_token, [num_chains] + [1] * (depth - 1), "iid", generator, device)
+
+
+def _condition_gumbel(g_tilde: Tensor, parent_g: Tensor) -> Tensor:
+    """Gumbels g_tilde [F, V] shifted so each row's maximum equals parent_g [F] (Kool et al. 2019,
+    appendix B, numerically stable form). Monotone within a row, so it keeps the row's order."""
+    z = g_tilde.max(-1, keepdim=True).values  # [F, 1]
+    t = parent_g.unsqueeze(-1)  # [F, 1]
+    u = t - g_tilde + torch.log1p(-torch.exp(g_tilde - z))
+    return t - torch.relu(u) - torch.log1p(torch.exp(-u.abs()))
+
+
+def draft_sbs(
+    proposal: Proposal,
+    root_token: int,
+    beam_width: int,
+    depth: int,
+    generator: torch.Generator | None = None,
+    device: torch.device | str = "cpu",
+    greedy: bool = False,
+) -> DraftTree:
+    """RSD-S: Stochastic Beam Search (Kool et al., 2019) as a draft tree.
+
+    Each beam y carries its draft log-probability phi(y) and a perturbed value G(y): the maximum of
+    Gumbel-perturbed log-probabilities over all its completions. Expanding y draws fresh Gumbels
+    for every child, conditions them to have maximum G(y), and the W children with the largest G
+    over all beams become the next beams. Prefixes that fall out of the top W are not expanded:
+    they end as leaves above depth L (early truncation). A node's children, taken in descending G,
+    are a Plackett-Luce (without-replacement) sample from its law, and whether a j-th child exists
+    does not depend on its identity, which keeps recursive rejection sampling exact.
+    greedy=True drops the noise: plain beam search on draft log-probabilities, for temperature 0.
+    """
+    if beam_width < 1 or depth < 1:
+        raise ValueError(f"beam_width and depth must be >= 1, got {beam_width} and {depth}")
+    tree = _TreeBuilder(root_token, device)
+    beams = [0]
+    phi = torch.zeros(1, dtype=torch.float64, device=device)  # [F] log p of each beam's prefix
+    g = torch.zeros(1, dtype=torch.float64, device=device)  # [F] perturbed value of each beam
+    probs = None
+    for _ in range(depth):
+        probs = tree.propose(proposal, beams)  # [F, V]
+        phi_child = phi.unsqueeze(-1) + torch.log(probs.to(torch.float64))  # [F, V]
+        noise = 0.0 if greedy else gumbel(phi_child.shape, generator, device)
+        g_child = phi_child if greedy else _condition_gumbel(phi_child + noise, g)  # [F, V]
+        top = torch.topk(g_child.flatten(), min(beam_width, g_child.numel()))
+        keep = top.indices[torch.isfinite(top.values)]  # at most W candidates, descending G
+        vocab = probs.shape[-1]
+        # Store children grouped by parent, each group in descending G (its sampling order).
+        order = sorted(range(keep.numel()), key=lambda i: (int(keep[i]) // vocab, i))
+        keep = keep[order]
+        parents, tokens = keep // vocab, keep % vocab
+        beams = [tree.add(beams[int(f)], int(t)) for f, t in zip(parents, tokens, strict=True)]
+        phi, g = phi_child.flatten()[keep], g_child.flatten()[keep]
+    return tree.build(probs.shape[-1], probs.dtype)

@@ -1,0 +1,85 @@
+"""Speculative methods: which tree to draft and which rule verifies it.
+
+    name       shape string   tree                                   rule (T > 0)
+    sd         "L"            one chain of L drafts                  rrs (K = 1: Leviathan/Chen)
+    specinfer  "K1,K2,..."    K_l i.i.d. children per node           rrs_with_replacement
+    spectr     "KxL"          K i.i.d. chains of length L            kseq
+    rsd_c      "K1,K2,..."    Gumbel-Top-K_l children per node       rrs
+    rsd_s      "WxL"          Stochastic Beam Search, W beams, L     rrs
+
+At temperature 0 every method drafts its shape greedily (top-K children; beam search for rsd_s;
+top-K first drafts then greedy chains for spectr) and verifies by greedy matching.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rsd.acceptance import RULES, Rule
+from rsd.drafting import Proposal, draft_sbs, draft_tree
+from rsd.tree import DraftTree
+
+METHOD_NAMES = ("sd", "specinfer", "spectr", "rsd_c", "rsd_s")
+_RULE = {"sd": "rrs", "specinfer": "rrs_with_replacement", "spectr": "kseq", "rsd_c": "rrs", "rsd_s": "rrs"}
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    branching: tuple[int, ...] = ()  # sd, specinfer, spectr (K, 1, ..., 1), rsd_c
+    beam_width: int = 0  # rsd_s
+
+    @staticmethod
+    def parse(name: str, shape: str) -> Method:
+        """Method.parse("rsd_c", "2,2,1"), ("sd", "4"), ("spectr", "3x4"), ("rsd_s", "4x5")."""
+        if name not in METHOD_NAMES:
+            raise ValueError(f"unknown method {name!r}; expected one of {', '.join(METHOD_NAMES)}")
+        try:
+            if name in ("spectr", "rsd_s"):
+                width, depth = (int(v) for v in shape.lower().split("x"))
+                parts = (width, depth)
+            else:
+                parts = tuple(int(v) for v in shape.split(","))
+        except ValueError:
+            raise ValueError(f"bad shape {shape!r} for {name}: see rsd.methods for the forms") from None
+        if any(v < 1 for v in parts):
+            raise ValueError(f"shape {shape!r} for {name} must have positive sizes")
+        if name == "sd":
+            if len(parts) != 1:
+                raise ValueError(f"sd takes a depth like '4', got {shape!r}")
+            return Method(name, (1,) * parts[0])
+        if name == "spectr":
+            return Method(name, (parts[0],) + (1,) * (parts[1] - 1))
+        if name == "rsd_s":
+            return Method(name, (1,) * parts[1], beam_width=parts[0])
+        return Method(name, parts)
+
+    @property
+    def depth(self) -> int:
+        return len(self.branching)
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """Upper bound on draft nodes (the target verifies this many plus the root)."""
+        if self.name == "rsd_s":
+            return self.beam_width * self.depth
+        total, width = 0, 1
+        for k in self.branching:
+            width *= k
+            total += width
+        return total
+
+    def rule(self, greedy: bool) -> Rule:
+        return RULES["greedy" if greedy else _RULE[self.name]]
+
+    def draft(
+        self, proposal: Proposal, root_token: int, generator: torch.Generator | None, greedy: bool, device="cpu"
+    ) -> DraftTree:
+        if self.name == "rsd_s":
+            return draft_sbs(proposal, root_token, self.beam_width, self.depth, generator, device, greedy=greedy)
+        if greedy:
+            return draft_tree(proposal, root_token, self.branching, "greedy", generator, device)
+        mode = "iid" if self.name in ("specinfer", "spectr") else "without_replacement"
+        return draft_tree(proposal, root_token, self.branching, mode, generator, device)

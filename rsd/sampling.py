@@ -1,0 +1,95 @@
+"""Sampling transforms and samplers.
+
+The same transform (temperature, then top-k, then top-p) must be applied to the target's logits
+and to the draft's logits: exactness holds for the laws actually used, and a mismatch between the
+law a token was sampled from and the law used to verify it silently changes the output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 means greedy; top_k 0 and top_p 1.0 mean 'off'."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0 and self.temperature < float("inf")):
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not (0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def truncate(probs: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """Keep the top_k most likely tokens, then the smallest head whose mass reaches top_p; renormalise.
+
+    probs [..., V] -> [..., V]. Ties at the cut are broken by torch.topk / sort order, the same
+    way on both sides because both call this function.
+    """
+    if top_k > 0 and top_k < probs.shape[-1]:
+        kth = torch.topk(probs, top_k, dim=-1)
+        probs = torch.zeros_like(probs).scatter_(-1, kth.indices, kth.values)
+        probs = probs / probs.sum(-1, keepdim=True)
+    if top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs  # [..., V] mass strictly above each token
+        sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)  # the first token always stays
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def logits_to_probs(logits: Tensor, params: SamplingParams) -> Tensor:
+    """logits [..., V] -> probs [..., V] in float32 (float64 stays float64).
+
+    Temperature 0 gives the one-hot argmax, so every acceptance rule degenerates to greedy matching.
+    """
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    logits = logits.to(dtype)
+    if params.greedy:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    probs = torch.softmax(logits / params.temperature, dim=-1)
+    return truncate(probs, params.top_k, params.top_p)
+
+
+def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """One draw per row from probs [..., V] -> ids [...].
+
+    The exponential race argmax(p / E), E ~ Exp(1), is a categorical sample without a sync for
+    torch.multinomial's checks; zero-probability tokens can never win.
+    """
+    race = torch.empty_like(probs, dtype=torch.float64).exponential_(generator=generator)
+    return (probs.to(torch.float64) / race).argmax(-1)
+
+
+def gumbel(shape: torch.Size | tuple[int, ...], generator: torch.Generator | None, device=None) -> Tensor:
+    """Standard Gumbel noise in float64."""
+    u = torch.rand(shape, dtype=torch.float64, generator=generator, device=device)
+    return -torch.log(-torch.log(u.clamp_min(1e-300)))
+
+
+def gumbel_top_k(probs: Tensor, k: int, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """Ordered sample of k tokens without replacement from each row of probs [F, V].
+
+    Perturb log p with Gumbel noise and take the top k keys, largest first: that is a
+    Plackett-Luce sample, i.e. x_1 ~ p, x_2 ~ p restricted to V minus {x_1} renormalised, ...
+    Returns ids [F, k] in sampling order and valid [F, k] (False past a row's support size,
+    where no further distinct token exists).
+    """
+    keys = torch.log(probs.to(torch.float64)) + gumbel(probs.shape, generator, probs.device)  # [F, V]
+    top = torch.topk(keys, k, dim=-1)
+    return top.indices, torch.isfinite(top.values)

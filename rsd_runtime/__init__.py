@@ -1,0 +1,1 @@
+"""Runtime: model loading, tree-attention runner, in-process generator, CLI."""

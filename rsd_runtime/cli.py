@@ -1,0 +1,125 @@
+"""`rsd` command line.
+
+    rsd generate [--tiny | --draft DIR --target DIR] --method rsd_s --shape 3x4 --prompt "def f(x):"
+    rsd provision                       # fetch, hash-check and convert the real Qwen2.5-Coder pair
+
+Without --draft/--target, `generate` uses the real pair (provisioned on first use, then cached);
+--tiny builds seeded tiny random models instead, for a smoke run in seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here reaches a model hub
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate text in-process with a drafter and a target model")
+    p.add_argument("--prompt", default="# Return the n-th Fibonacci number\ndef fibonacci(n):")
+    p.add_argument("--method", default="rsd_s", choices=["ar", "sd", "specinfer", "spectr", "rsd_c", "rsd_s"])
+    p.add_argument("--shape", default=None, help="tree shape: sd '4'; specinfer/rsd_c '2,2,2'; spectr/rsd_s '3x4'")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--draft", help="draft model folder (any HF causal LM saved locally)")
+    p.add_argument("--target", help="target model folder, same tokenizer as the draft")
+    p.add_argument("--tiny", action="store_true", help="use tiny seeded random models (fast smoke run)")
+    p.add_argument(
+        "--cache-dir", type=Path, default=None, help="model cache (default $RSD_MODEL_CACHE or ~/.cache/rsd/models)"
+    )
+    p.add_argument("--draft-device", default="cpu")
+    p.add_argument("--target-device", default="cpu")
+    p.add_argument("--draft-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--target-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--draft-top-k", type=int, default=0, help="drafter-side truncation of its proposal")
+    p.add_argument("--draft-top-p", type=float, default=1.0)
+    p.add_argument("--max-len", type=int, default=2048, help="KV cache capacity per model, in tokens")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+
+
+DEFAULT_SHAPES = {"sd": "4", "specinfer": "2,2,1", "spectr": "3x4", "rsd_c": "2,2,1", "rsd_s": "3x4"}
+
+
+def _model_dirs(args) -> tuple[Path, Path]:
+    if args.draft and args.target:
+        return Path(args.draft), Path(args.target)
+    if args.draft or args.target:
+        raise SystemExit("give both --draft and --target, or neither")
+    if args.tiny:
+        from rsd_runtime.provision import default_cache_dir
+        from rsd_runtime.tiny import build_tiny_pair
+
+        return build_tiny_pair((args.cache_dir or default_cache_dir()) / "tiny", "qwen2")
+    from rsd_runtime.provision import provision_pair
+
+    paths = provision_pair(args.cache_dir)
+    return paths["draft"], paths["target"]
+
+
+def generate(args) -> int:
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from rsd.methods import Method
+    from rsd.sampling import SamplingParams
+    from rsd_runtime.generator import SpeculativeGenerator
+    from rsd_runtime.models import load_model, load_tokenizer
+    from rsd_runtime.runner import ModelRunner
+
+    hf_logging.disable_progress_bar()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        params = SamplingParams(args.temperature, args.top_k, args.top_p)
+        method = None if args.method == "ar" else Method.parse(args.method, args.shape or DEFAULT_SHAPES[args.method])
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    draft_dir, target_dir = _model_dirs(args)
+    print(f"loading target {target_dir} ({args.target_device}, {args.target_dtype})", file=sys.stderr)
+    tokenizer = load_tokenizer(target_dir)
+    target = ModelRunner(load_model(target_dir, args.target_device, args.target_dtype), args.max_len)
+    draft = None
+    if method is not None:
+        print(f"loading draft {draft_dir} ({args.draft_device}, {args.draft_dtype})", file=sys.stderr)
+        draft = ModelRunner(load_model(draft_dir, args.draft_device, args.draft_dtype), args.max_len)
+    gen = SpeculativeGenerator(target, draft, args.draft_top_k, args.draft_top_p)
+    prompt_ids = tokenizer.encode(args.prompt)
+    eos = tuple(i for i in [tokenizer.eos_token_id] if i is not None)
+    out = gen.generate(prompt_ids, method, params, args.max_new_tokens, eos, args.seed)
+    s = out.stats
+    print(args.prompt + tokenizer.decode(out.token_ids))
+    shape = "" if method is None else f" {args.shape or DEFAULT_SHAPES[args.method]}"
+    print(
+        f"\n[{s.method}{shape} T={params.temperature}] {s.new_tokens} tokens in {s.total_s:.2f} s "
+        f"({s.tokens_per_s:.2f} tok/s); {s.target_calls} target calls, block efficiency {s.block_efficiency:.2f}; "
+        f"draft {s.draft_s:.2f} s ({s.draft_forwards} forwards), verify {s.verify_s:.2f} s; "
+        f"acceptance by depth {[round(a, 2) for a in s.acceptance_by_depth]}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="rsd", description="Recursive Speculative Decoding")
+    sub = ap.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    prov = sub.add_parser("provision", help="fetch, verify and convert the real Qwen2.5-Coder pair")
+    prov.add_argument("--cache-dir", type=Path, default=None)
+    args, rest = ap.parse_known_args(argv)
+    if args.command == "provision":
+        from rsd_runtime.provision import main as provision_main
+
+        return provision_main((["--cache-dir", str(args.cache_dir)] if args.cache_dir else []) + rest)
+    if rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    return generate(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

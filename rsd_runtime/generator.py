@@ -1,0 +1,243 @@
+"""Speculative generation in one process: a Drafter and a Verifier engine glued by a loop.
+
+The two engines are what the drafter and verifier services wrap; here they share one process.
+One step (a "block"):
+    1. Drafter.draft   the draft model builds a tree from the committed tokens (one forward per level)
+    2. Verifier.verify the target runs once over the whole tree and the method's rule walks it
+    3. both engines keep the K/V of the accepted path; the step's tokens are committed
+Committed tokens are the session's truth. Each runner caches all but the last committed token (the
+last one is the next tree's root); a runner that is behind (the drafter never ran an accepted leaf)
+runs the missing tokens as a chain in front of the next tree, in the same forward.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from rsd.acceptance import Rule, Verdict, verify
+from rsd.methods import Method
+from rsd.sampling import SamplingParams, logits_to_probs, sample, truncate
+from rsd.tree import DraftTree, path_to
+from rsd_runtime.runner import ModelRunner
+
+
+def _forward_with_catch_up(runner: ModelRunner, committed: list[int], token_ids: Tensor, parent_idx: Tensor) -> Tensor:
+    """Run the committed tokens the runner has not cached yet (all but the last committed token) as a
+    chain, then a tree whose node 0 is the last committed token. Returns the tree's logits [N, V].
+    parent_idx [N] is the tree's (root -1); returns logits for the tree nodes only."""
+    behind = committed[runner.cache_len : len(committed) - 1]
+    if runner.num_tentative or runner.cache_len > len(committed) - 1:
+        raise RuntimeError("runner out of sync with the committed tokens")  # a bug, not bad input
+    m = len(behind)
+    ids = torch.tensor(behind + token_ids.tolist(), dtype=torch.long)
+    chain = list(range(-1, m - 1))
+    parents = torch.tensor(chain + [p + m if p >= 0 else m - 1 for p in parent_idx.tolist()], dtype=torch.long)
+    return runner.forward(ids, parents)[m:]
+
+
+def _commit_path(runner: ModelRunner, committed: list[int], tentative_of: dict[int, int], verdict: Verdict) -> None:
+    """Keep the catch-up chain, the root and the accepted nodes the runner has run."""
+    m = len(committed) - 1 - runner.cache_len  # catch-up chain length; the root follows it
+    keep = list(range(m + 1)) + [tentative_of[n] for n in verdict.accepted_idx if n in tentative_of]
+    runner.commit(keep)
+
+
+class ModelProposal:
+    """rsd.drafting.Proposal backed by the draft model: each call runs the requested frontier nodes
+    (new ones) through the draft runner, tree-masked, in one forward."""
+
+    def __init__(
+        self, runner: ModelRunner, committed: list[int], params: SamplingParams, top_k: int = 0, top_p: float = 1.0
+    ):
+        self.runner, self.committed = runner, committed
+        # Greedy drafting ranks children by the plain softmax; its laws are never used for acceptance.
+        self.params = SamplingParams(temperature=1.0) if params.greedy else params
+        self.top_k, self.top_p = top_k, top_p  # drafter-side truncation of the proposal
+        self.tentative_of: dict[int, int] = {}  # tree node -> tentative index in the runner
+        self.num_forwards = 0
+
+    def __call__(self, token_ids: Tensor, parent_idx: Tensor, node_idx: Tensor) -> Tensor:
+        nodes = node_idx.tolist()
+        if not self.tentative_of:  # first level: the root (plus any catch-up chain)
+            assert nodes == [0], "the first proposal is asked at the root"
+            m = len(self.committed) - 1 - self.runner.cache_len
+            logits = _forward_with_catch_up(self.runner, self.committed, token_ids[:1], parent_idx[:1])
+            self.tentative_of[0] = m
+        else:
+            parents = torch.tensor([self.tentative_of[int(parent_idx[n])] for n in nodes])
+            base = self.runner.num_tentative
+            logits = self.runner.forward(token_ids[node_idx], parents)  # [F, V]
+            self.tentative_of.update({n: base + i for i, n in enumerate(nodes)})
+        self.num_forwards += 1
+        probs = truncate(logits_to_probs(logits, self.params), self.top_k, self.top_p)  # [F, V]
+        return _same_prefix_same_law(probs, token_ids, parent_idx, nodes)
+
+
+def _same_prefix_same_law(probs: Tensor, token_ids: Tensor, parent_idx: Tensor, nodes: list[int]) -> Tensor:
+    """Nodes with equal paths (duplicate i.i.d. drafts) get bit-identical laws: K-SEQ treats them as
+    one law, and float noise between two tree slots must not make them differ."""
+    first: dict[tuple[int, ...], int] = {}
+    for row, n in enumerate(nodes):
+        key = tuple(token_ids[path_to(parent_idx, n)].tolist())
+        if key in first:
+            probs[row] = probs[first[key]]
+        else:
+            first[key] = row
+    return probs
+
+
+class Drafter:
+    """The draft model of one session: drafts trees and follows the verdicts."""
+
+    def __init__(self, runner: ModelRunner, top_k: int = 0, top_p: float = 1.0):
+        self.runner, self.top_k, self.top_p = runner, top_k, top_p
+        self._proposal: ModelProposal | None = None
+
+    def draft(
+        self, committed: list[int], method: Method, params: SamplingParams, generator: torch.Generator
+    ) -> DraftTree:
+        self._proposal = ModelProposal(self.runner, committed, params, self.top_k, self.top_p)
+        return method.draft(self._proposal, committed[-1], generator, params.greedy, device="cpu")
+
+    def accept(self, committed_before: list[int], verdict: Verdict) -> None:
+        _commit_path(self.runner, committed_before, self._proposal.tentative_of, verdict)
+        self._proposal = None
+
+
+class Verifier:
+    """The target model of one session: one forward over a tree, then the rule."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+
+    def verify(
+        self, committed: list[int], tree: DraftTree, rule: Rule, params: SamplingParams, generator: torch.Generator
+    ) -> Verdict:
+        logits = _forward_with_catch_up(self.runner, committed, tree.token_ids, tree.parent_idx)  # [N, V]
+        target_probs = logits_to_probs(logits, params).to(tree.draft_probs.dtype)  # [N, V]
+        verdict = verify(tree, target_probs, rule, generator)
+        _commit_path(self.runner, committed, {n: n + self._offset(committed) for n in range(tree.num_nodes)}, verdict)
+        return verdict
+
+    def _offset(self, committed: list[int]) -> int:
+        return len(committed) - 1 - self.runner.cache_len
+
+    def step_autoregressive(self, committed: list[int], params: SamplingParams, generator: torch.Generator) -> int:
+        logits = _forward_with_catch_up(self.runner, committed, torch.tensor(committed[-1:]), torch.tensor([-1]))
+        token = int(sample(logits_to_probs(logits[0], params), generator))
+        self.runner.commit(list(range(self._offset(committed) + 1)))
+        return token
+
+
+@dataclass
+class GenerationStats:
+    method: str
+    new_tokens: int = 0
+    target_calls: int = 0
+    draft_forwards: int = 0
+    accepted_by_depth: list[int] = field(default_factory=list)  # steps that accepted a draft at depth d+1
+    tried_by_depth: list[int] = field(default_factory=list)  # steps that reached a node at depth d with children
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def block_efficiency(self) -> float:
+        """Tokens emitted per target forward."""
+        return self.new_tokens / max(self.target_calls, 1)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
+
+    @property
+    def acceptance_by_depth(self) -> list[float]:
+        return [a / t if t else 0.0 for a, t in zip(self.accepted_by_depth, self.tried_by_depth, strict=True)]
+
+    def record(self, verdict: Verdict, depth: int) -> None:
+        if not self.tried_by_depth:
+            self.accepted_by_depth, self.tried_by_depth = [0] * depth, [0] * depth
+        n = len(verdict.accepted_idx)
+        for d in range(n):
+            self.accepted_by_depth[d] += 1
+            self.tried_by_depth[d] += 1
+        if not verdict.is_bonus and n < depth:
+            self.tried_by_depth[n] += 1
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # new tokens only
+    stats: GenerationStats
+
+
+class SpeculativeGenerator:
+    """Drives a draft model and a target model in one process.
+
+    method None means plain autoregressive decoding with the target alone.
+    """
+
+    def __init__(self, target: ModelRunner, draft: ModelRunner | None = None, draft_top_k: int = 0, draft_top_p=1.0):
+        if draft is not None and draft.vocab_size != target.vocab_size:
+            raise ValueError(f"draft vocabulary {draft.vocab_size} != target vocabulary {target.vocab_size}")
+        self.verifier = Verifier(target)
+        self.drafter = Drafter(draft, draft_top_k, draft_top_p) if draft is not None else None
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        method: Method | None = None,
+        params: SamplingParams | None = None,
+        max_new_tokens: int = 64,
+        eos_token_ids: tuple[int, ...] = (),
+        seed: int = 0,
+    ) -> GenerationResult:
+        params = params or SamplingParams()
+        if not prompt_ids:
+            raise ValueError("the prompt needs at least one token")
+        if method is not None and self.drafter is None:
+            raise ValueError(f"method {method.name} needs a draft model")
+        generator = torch.Generator().manual_seed(seed)
+        runners = [self.verifier.runner] + ([self.drafter.runner] if self.drafter else [])
+        for runner in runners:
+            runner.reset()
+        stats = GenerationStats(method.name if method else "ar")
+        committed, start, t0 = list(prompt_ids), len(prompt_ids), time.perf_counter()
+        while len(committed) - start < max_new_tokens:
+            if method is None:
+                t = time.perf_counter()
+                new = [self.verifier.step_autoregressive(committed, params, generator)]
+                stats.verify_s += time.perf_counter() - t
+            else:
+                new = self._speculative_step(committed, method, params, generator, stats)
+            stats.target_calls += 1
+            new = new[: max_new_tokens - (len(committed) - start)]
+            for i, tok in enumerate(new):
+                if tok in eos_token_ids:
+                    new = new[: i + 1]
+                    break
+            committed += new
+            if new and new[-1] in eos_token_ids:
+                break
+        stats.new_tokens = len(committed) - start
+        stats.total_s = time.perf_counter() - t0
+        return GenerationResult(committed[start:], stats)
+
+    def _speculative_step(
+        self, committed: list[int], method: Method, params: SamplingParams, generator: torch.Generator, stats
+    ) -> list[int]:
+        t = time.perf_counter()
+        tree = self.drafter.draft(committed, method, params, generator)
+        stats.draft_forwards += self.drafter._proposal.num_forwards
+        t_verify = time.perf_counter()
+        verdict = self.verifier.verify(committed, tree, method.rule(params.greedy), params, generator)
+        t_accept = time.perf_counter()
+        self.drafter.accept(committed, verdict)
+        stats.draft_s += (t_verify - t) + (time.perf_counter() - t_accept)
+        stats.verify_s += t_accept - t_verify
+        stats.record(verdict, method.depth)
+        return verdict.token_ids

@@ -1,0 +1,68 @@
+"""Load causal LMs and their tokenizers from local folders (or GGUF files) for inference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Text every tokenizer we load must encode the same way as its own tokenizer.json:
+# words of the tiny test vocabulary plus ordinary code.
+_PROBE = "w0 w1 w2 def add(a, b):\n    return a + b"
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """ "float32" | "bfloat16" | "float16" -> torch dtype."""
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def load_model(
+    path: str | Path,
+    device: str = "cpu",
+    dtype: str = "float32",
+    attn_implementation: str = "sdpa",
+    gguf_file: str | None = None,
+) -> PreTrainedModel:
+    """A causal LM in eval mode with gradients off, on `device` (any torch device string)."""
+    kwargs = {"dtype": parse_dtype(dtype), "attn_implementation": attn_implementation}
+    if gguf_file is not None:
+        kwargs["gguf_file"] = gguf_file
+    model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    model.to(torch.device(device)).eval().requires_grad_(False)
+    return model
+
+
+def load_tokenizer(path: str | Path, gguf_file: str | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer of a model folder, checked against the folder's own tokenizer.json.
+
+    transformers 5.24 picks the tokenizer class from config.json's model_type: on a qwen2 folder
+    that holds a word-level tokenizer.json it returns a Qwen2Tokenizer that encodes "w1 w2" to no
+    ids at all, silently. When AutoTokenizer disagrees with tokenizer.json we load the file through
+    the generic fast tokenizer instead, and we refuse a tokenizer that still disagrees.
+    """
+    kwargs = {} if gguf_file is None else {"gguf_file": gguf_file}
+    tokenizer = AutoTokenizer.from_pretrained(str(path), **kwargs)
+    reference_file = Path(path) / "tokenizer.json"
+    if not reference_file.is_file():  # e.g. GGUF: the tokenizer comes from the GGUF metadata
+        if not tokenizer.encode(_PROBE, add_special_tokens=False):
+            raise ValueError(f"tokenizer of {path} encodes {_PROBE!r} to no ids")
+        return tokenizer
+    reference = Tokenizer.from_file(str(reference_file))
+    if not _agrees(tokenizer, reference):
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path))
+        if not _agrees(tokenizer, reference):
+            raise ValueError(f"cannot load a tokenizer for {path} that agrees with its tokenizer.json")
+    return tokenizer
+
+
+def _agrees(tokenizer: PreTrainedTokenizerBase, reference: Tokenizer) -> bool:
+    """The probe encodes to the same, non-empty ids. (Decoded text is not compared: wrappers may
+    legitimately clean up spaces that the bare tokenizer keeps.)"""
+    ids = reference.encode(_PROBE, add_special_tokens=False).ids
+    return len(ids) > 0 and tokenizer.encode(_PROBE, add_special_tokens=False) == ids

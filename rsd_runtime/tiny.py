@@ -1,0 +1,148 @@
+"""Tiny random draft/target pairs (Llama or Qwen2), saved like real checkpoints, without any hub access.
+
+The target is a seeded random model. The draft is the target cut to its first layers (same
+embedding, final norm and head) with seeded noise on every weight, so the two next-token laws
+differ but are correlated, as for a real small/large pair. Both share one word-level tokenizer:
+    ids 0..3: <pad> <eos> <bos> <unk>; id 4 + i: "w{i}"
+so "w0 w1" encodes to [4, 5] and any other word to <unk>.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import WhitespaceSplit
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
+
+SPECIAL_TOKENS = {"pad_token": "<pad>", "eos_token": "<eos>", "bos_token": "<bos>", "unk_token": "<unk>"}
+FAMILIES = {"llama": LlamaConfig, "qwen2": Qwen2Config}
+_DONE = "rsd_tiny_done"  # written last, inside the temporary folder that becomes the pair
+
+
+def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """The word-level tokenizer described in the module docstring, with `vocab_size` ids."""
+    specials = list(SPECIAL_TOKENS.values())
+    if vocab_size <= len(specials):
+        raise ValueError(f"vocab_size must exceed the {len(specials)} special tokens, got {vocab_size}")
+    words = specials + [f"w{i}" for i in range(vocab_size - len(specials))]
+    tok = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token=SPECIAL_TOKENS["unk_token"]))
+    tok.pre_tokenizer = WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS)
+
+
+def tiny_config(family: str, vocab_size: int, hidden_size: int, num_layers: int) -> PretrainedConfig:
+    """A small config with grouped-query attention (4 query heads, 2 K/V heads) and untied head."""
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {sorted(FAMILIES)}, got {family!r}")
+    return FAMILIES[family](
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        initializer_range=0.05,  # layer weights; see _target_model for embedding and head
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+        dtype="float32",
+    )
+
+
+def _random_model(config: PretrainedConfig, seed: int) -> PreTrainedModel:
+    with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG untouched
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+
+
+def _target_model(config: PretrainedConfig, seed: int) -> PreTrainedModel:
+    """A random model whose laws look like a language model's rather than near-uniform noise.
+
+    With the usual init the logits have std ~0.2 (flat laws) and, at larger init, the layers swamp
+    the token embedding (a draft with fewer layers is then uncorrelated). A unit-std embedding
+    keeps the residual stream led by the current token, layers at std 0.05 add a visible context
+    effect, and a head at std 0.25 gives an entropy of about half of log V (measured at V=256:
+    top-1 agreement with the draft ~60%, total variation ~0.25).
+    """
+    model = _random_model(config, seed)
+    with torch.no_grad():
+        for weight, std in ((model.get_input_embeddings().weight, 1.0), (model.get_output_embeddings().weight, 0.25)):
+            weight.mul_(std / weight.std())
+    return model
+
+
+def _draft_from_target(target: PreTrainedModel, config: PretrainedConfig, noise: float, seed: int) -> PreTrainedModel:
+    """Target's first layers (as many as `config` has), embedding, norm and head, each weight plus
+    noise·std(weight)."""
+    draft = _random_model(config, seed)
+    gen = torch.Generator().manual_seed(seed)
+    target_params = dict(target.named_parameters())
+    with torch.no_grad():
+        for name, param in draft.named_parameters():  # every draft name exists in the target
+            src = target_params[name]
+            param.copy_(src + noise * src.std(unbiased=False) * torch.randn(src.shape, generator=gen))
+    return draft
+
+
+def build_tiny_pair(
+    out_dir: str | Path,
+    family: str = "llama",
+    vocab_size: int = 256,
+    seed: int = 0,
+    *,
+    hidden_size: int = 128,
+    num_layers: int = 4,
+    draft_layers: int = 2,
+    draft_noise: float = 0.1,
+) -> tuple[Path, Path]:
+    """Build (or reuse) a tiny pair under out_dir/<family>-v<vocab>-s<seed>-..., return (draft_dir, target_dir).
+
+    Same arguments give bit-identical weights; an existing complete pair is reused as is.
+    """
+    name = f"{family}-v{vocab_size}-s{seed}-d{hidden_size}-l{num_layers}-dl{draft_layers}-n{draft_noise}"
+    root = Path(out_dir) / name
+    draft_dir, target_dir = root / "draft", root / "target"
+    if (root / _DONE).is_file():
+        return draft_dir, target_dir
+    if not 0 < draft_layers <= num_layers:
+        raise ValueError(f"draft_layers must be in [1, {num_layers}], got {draft_layers}")
+
+    tokenizer = word_tokenizer(vocab_size)
+    target = _target_model(tiny_config(family, vocab_size, hidden_size, num_layers), seed)
+    draft_config = tiny_config(family, vocab_size, hidden_size, draft_layers)
+    draft = _draft_from_target(target, draft_config, draft_noise, seed + 1)
+    # Build in a temporary sibling and rename, so an interrupted build never looks complete.
+    root.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root.parent))
+    for model, sub in ((draft, "draft"), (target, "target")):
+        model.save_pretrained(tmp / sub)
+        tokenizer.save_pretrained(tmp / sub)
+    (tmp / _DONE).touch()
+    try:
+        tmp.rename(root)  # atomic: `root` is either absent or complete
+    except OSError:
+        if not (root / _DONE).is_file():
+            raise
+        shutil.rmtree(tmp)  # another process built the same pair first
+    return draft_dir, target_dir
+
+
+def build_tiny_vocab_pair(
+    out_dir: str | Path, vocab_size: int = 8, family: str = "llama", seed: int = 0
+) -> tuple[Path, Path]:
+    """A pair with a vocabulary small enough to enumerate (statistical tests): 4 specials + words."""
+    return build_tiny_pair(out_dir, family, vocab_size, seed)

@@ -1,0 +1,251 @@
+"""ModelRunner: tree-attention logits equal plain causal runs of each root-to-node path.
+
+References are the model's own forward on the whole sequence (no cache, its default causal
+mask), so they share no code with the runner. Tolerance: fp32, 1e-4 absolute on logits (the
+observed error is ~5e-6; a wrong mask or position moves logits by far more than 1e-2).
+"""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: tests never touch the hub
+
+import pytest
+import torch
+from torch import Tensor
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from rsd_runtime.models import load_model, load_tokenizer, parse_dtype
+from rsd_runtime.runner import ModelRunner
+from rsd_runtime.tiny import build_tiny_pair, build_tiny_vocab_pair
+
+ATOL = 1e-4
+FAMILIES = ("llama", "qwen2")
+CONFIGS = [(f, a) for f in FAMILIES for a in ("sdpa", "eager")]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run ~5x faster on one thread when the 2 cores are shared with other work."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("tiny")
+
+
+@pytest.fixture(scope="module")
+def pairs(tiny_root) -> dict:
+    return {family: build_tiny_pair(tiny_root, family) for family in FAMILIES}
+
+
+@pytest.fixture(scope="module", params=CONFIGS, ids=[f"{f}-{a}" for f, a in CONFIGS])
+def model(request, pairs):
+    family, attn = request.param
+    return load_model(pairs[family][1], attn_implementation=attn)
+
+
+def causal_logits(model, ids: list[int]) -> Tensor:
+    """Next-token logits after `ids` from one plain forward. [V]"""
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+
+
+def path(parents: list[int], node: int) -> list[int]:
+    """Tentative indices from the -1-parent ancestor down to `node`."""
+    chain = []
+    while node != -1:
+        chain.append(node)
+        node = parents[node]
+    return chain[::-1]
+
+
+def random_tree(gen: torch.Generator, n: int, vocab: int) -> tuple[Tensor, Tensor]:
+    """n nodes, several -1 roots and siblings guaranteed (nodes 0, 1 and 2, 3 are siblings)."""
+    parents = [-1, -1, 0, 0] + [int(torch.randint(-1, i, (1,), generator=gen)) for i in range(4, n)]
+    return torch.randint(4, vocab, (n,), generator=gen), torch.tensor(parents)
+
+
+def prefilled(model, prompt: list[int], max_len: int = 128) -> ModelRunner:
+    runner = ModelRunner(model, max_len=max_len)
+    runner.forward(torch.tensor(prompt), torch.arange(len(prompt)) - 1)
+    runner.commit(range(len(prompt)))
+    return runner
+
+
+def assert_matches_paths(model, logits: Tensor, prefix: list[int], tokens: Tensor, parents: list[int]):
+    for node in range(len(parents)):
+        ref = causal_logits(model, prefix + tokens[path(parents, node)].tolist())
+        torch.testing.assert_close(logits[node], ref, atol=ATOL, rtol=0, msg=f"node {node}")
+
+
+def test_tree_forward_matches_per_path_causal(model):
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    for n in (6, 10):
+        prompt = torch.randint(4, vocab, (5,), generator=gen).tolist()
+        runner = prefilled(model, prompt)
+        tokens, parents = random_tree(gen, n, vocab)
+        logits = runner.forward(tokens, parents)
+        assert logits.shape == (n, vocab) and logits.dtype == torch.float32
+        assert_matches_paths(model, logits, prompt, tokens, parents.tolist())
+
+
+def test_prefill_logits_match_causal(model):
+    prompt = [5, 9, 7, 30, 4]
+    logits = ModelRunner(model).forward(torch.tensor(prompt), torch.arange(5) - 1)  # [5, V]
+    for i in range(5):
+        torch.testing.assert_close(logits[i], causal_logits(model, prompt[: i + 1]), atol=ATOL, rtol=0)
+
+
+def test_commit_then_forward_matches_from_scratch(model):
+    gen = torch.Generator().manual_seed(1)
+    vocab = model.config.vocab_size
+    prefix = [5, 6, 7, 8]
+    runner = prefilled(model, prefix)
+    keys = runner.cache.layers[0].keys
+    for step in range(3):
+        tokens, parents = random_tree(gen, 7, vocab)
+        logits = runner.forward(tokens, parents)
+        assert_matches_paths(model, logits, prefix, tokens, parents.tolist())
+        if step == 1:  # a rejected tree: nothing kept
+            runner.commit([])
+            continue
+        # Keep the path to the last node: its indices are rarely contiguous, so K/V really move.
+        accepted = path(parents.tolist(), 6)
+        runner.commit(torch.tensor(accepted))
+        prefix = prefix + tokens[accepted].tolist()
+        assert runner.cache_len == len(prefix) and runner.num_tentative == 0
+    logits = runner.forward(torch.tensor([9, 10]), torch.tensor([-1, 0]))
+    assert_matches_paths(model, logits, prefix, torch.tensor([9, 10]), [-1, 0])
+    assert runner.cache.layers[0].keys is keys  # the preallocated buffer was never replaced
+
+
+def test_level_by_level_equals_single_call(model):
+    gen = torch.Generator().manual_seed(2)
+    vocab = model.config.vocab_size
+    prompt = [4, 12, 40]
+    # Level 0: nodes 0-1 (-1 parents); level 1: nodes 2-4; level 2: nodes 5-7.
+    levels = [[-1, -1], [0, 1, 1], [2, 4, 4]]
+    tokens = torch.randint(4, vocab, (8,), generator=gen)
+    parents = torch.tensor([p for level in levels for p in level])
+    single = prefilled(model, prompt)
+    single_logits = single.forward(tokens, parents)
+    multi = prefilled(model, prompt)
+    start, multi_logits = 0, []
+    for level in levels:
+        stop = start + len(level)
+        multi_logits.append(multi.forward(tokens[start:stop], torch.tensor(level)))
+        start = stop
+    torch.testing.assert_close(torch.cat(multi_logits), single_logits, atol=ATOL, rtol=0)
+    assert_matches_paths(model, single_logits, prompt, tokens, parents.tolist())
+    for runner in (single, multi):
+        runner.commit([1, 4, 7])
+    next_token = torch.tensor([11])
+    torch.testing.assert_close(
+        multi.forward(next_token, torch.tensor([-1])), single.forward(next_token, torch.tensor([-1]))
+    )
+
+
+def test_reset_forgets_everything(model):
+    runner = prefilled(model, [5, 6, 7])
+    runner.forward(torch.tensor([8]), torch.tensor([-1]))
+    runner.reset()
+    assert runner.cache_len == 0 and runner.num_tentative == 0
+    logits = runner.forward(torch.tensor([9, 10]), torch.tensor([-1, 0]))
+    torch.testing.assert_close(logits[1], causal_logits(model, [9, 10]), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tokenizer_round_trips(pairs, family):
+    for model_dir in pairs[family]:
+        tokenizer = load_tokenizer(model_dir)
+        ids = tokenizer.encode("w1 w2 w3", add_special_tokens=False)
+        assert ids == [5, 6, 7]
+        assert tokenizer.decode(ids) == "w1 w2 w3"
+        assert tokenizer.eos_token_id == 1 and tokenizer.pad_token_id == 0
+
+
+@pytest.fixture(scope="module")
+def llama(pairs):
+    return load_model(pairs["llama"][1])
+
+
+@pytest.fixture
+def busy_runner(llama) -> ModelRunner:
+    """max_len 10, three committed tokens and a tentative chain 0 <- 1."""
+    runner = prefilled(llama, [5, 6, 7], max_len=10)
+    runner.forward(torch.tensor([8, 9]), torch.tensor([-1, 0]))
+    return runner
+
+
+@pytest.mark.parametrize(
+    ("tokens", "parents"),
+    [
+        ([10], [2]),  # its own index: parents must come earlier
+        ([10], [-2]),
+        ([10, 11], [-1]),  # lengths differ
+        ([[10]], [-1]),  # 2-D
+        ([], []),
+        ([256], [-1]),  # outside the vocabulary
+        ([-1], [-1]),
+        ([10] * 6, [-1] * 6),  # 3 committed + 2 tentative + 6 > max_len
+        ([1.0], [-1]),  # not integers
+    ],
+)
+def test_bad_forward_raises(busy_runner, tokens, parents):
+    with pytest.raises(ValueError):
+        busy_runner.forward(torch.tensor(tokens), torch.tensor(parents))
+    assert busy_runner.num_tentative == 2 and busy_runner.cache_len == 3  # nothing changed
+
+
+@pytest.mark.parametrize("keep", [[1], [0, 0], [2], [1, 0], [-1]])  # not from a root, repeated, ...
+def test_bad_commit_raises(busy_runner, keep):
+    with pytest.raises(ValueError, match="commit"):
+        busy_runner.commit(keep)
+    busy_runner.commit([0, 1])  # the failed call changed nothing
+    assert busy_runner.cache_len == 5
+
+
+def test_rejects_sliding_window_longer_than_max_len():
+    config = Qwen2Config(
+        vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, use_sliding_window=True, sliding_window=8, max_window_layers=0,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    with pytest.raises(ValueError, match="sliding"):
+        ModelRunner(model, max_len=64)
+    ModelRunner(model, max_len=8)  # within the window one full mask is exact
+
+
+def test_tiny_pairs_are_deterministic_and_reused(tiny_root, tmp_path, pairs):
+    draft_dir, target_dir = pairs["llama"]
+    stamp = (target_dir / "model.safetensors").stat().st_mtime_ns
+    assert build_tiny_pair(tiny_root, "llama") == (draft_dir, target_dir)
+    assert (target_dir / "model.safetensors").stat().st_mtime_ns == stamp  # reused, not rebuilt
+    _, other_target = build_tiny_pair(tmp_path, "llama")
+    a, b = load_model(target_dir).state_dict(), load_model(other_target).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # The draft differs from the target but tends to agree with it.
+    draft, target = load_model(draft_dir), load_model(target_dir)
+    ids = torch.randint(4, 256, (1, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        p, q = target(ids).logits[0].softmax(-1), draft(ids).logits[0].softmax(-1)  # [32, V]
+    tv = 0.5 * (p - q).abs().sum(-1).mean()
+    assert 0.05 < tv < 0.5
+
+
+def test_tiny_vocab_pair(tiny_root):
+    draft_dir, target_dir = build_tiny_vocab_pair(tiny_root)
+    runner = prefilled(load_model(target_dir), [4, 5])
+    assert runner.vocab_size == 8
+    assert load_tokenizer(draft_dir).encode("w3 w4", add_special_tokens=False) == [7, 3]  # w4 is unknown
+
+
+def test_dtype_strings():
+    assert parse_dtype("bfloat16") is torch.bfloat16
+    with pytest.raises(ValueError, match="dtype"):
+        parse_dtype("fp8")
