@@ -32,14 +32,6 @@ GREEDY_METHODS = [
 PROMPTS = [[2, 10, 11, 12], [2, 50], [2, 7, 7, 7, 7, 30, 31]]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def pair(request, tmp_path_factory):
     draft_dir, target_dir = build_tiny_pair(tmp_path_factory.mktemp("tiny"), request.param)

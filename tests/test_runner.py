@@ -23,15 +23,6 @@ FAMILIES = ("llama", "qwen2")
 CONFIGS = [(f, a) for f in FAMILIES for a in ("sdpa", "eager")]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run ~5x faster on one thread when the 2 cores are shared with other work."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def tiny_root(tmp_path_factory):
     return tmp_path_factory.mktemp("tiny")

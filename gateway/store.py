@@ -1,0 +1,607 @@
+"""Session state and the service registry: the `SessionStore` protocol and two implementations.
+
+    RedisSessionStore   shared by every gateway; what it holds survives the death of any service
+    MemorySessionStore  the same semantics inside one process (a single-process run, tests)
+
+A session (SessionRecord) is its first prompt, the committed sequence (prompt, later turns and
+generated tokens: the token at absolute position t is committed_ids[t]), the generation params
+(an opaque JSON object to the store), a status, the drafter and verifier of its current run,
+and the KV location {verifier_id, length, epoch}.
+
+The epoch names the current run. begin_epoch() starts a new run (a new drafter/verifier pair,
+e.g. after a failure) by compare-and-set on the epoch; every later write of the old run is
+refused. append_tokens(position, epoch) commits only when `position` is the committed length
+and `epoch` is current, atomically, so a retried or late step can neither duplicate tokens nor
+leave a gap: the caller gets SessionConflict with the stored length and epoch instead.
+
+Redis layout, under a namespace (default "rsd"); ids are [A-Za-z0-9._-], so keys cannot collide:
+    {ns}:session:{id}          hash: prompt_ids, params, status, drafter_id, verifier_id,
+                               kv_verifier_id, kv_length, epoch, created_unix_ms, updated_unix_ms
+    {ns}:session:{id}:tokens   string: the committed ids packed as little-endian uint32, so the
+                               committed length is STRLEN / 4 and an append is one APPEND
+    {ns}:service:{role}:{id}   string: a ServiceInfo as JSON; expires unless heartbeated
+    {ns}:services:{role}       set: ids of the role's registered services, pruned when listed
+Every key has a TTL: a session's two keys get session_ttl_s again on every write; a service key
+its heartbeat's ttl_s. Each multi-step operation is one Lua script, so it is atomic.
+
+The store is synchronous (redis-py): from asyncio code call it through asyncio.to_thread.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
+from enum import StrEnum
+from typing import Any, Protocol
+
+import redis
+from redis.commands.core import Script
+
+
+class SessionStatus(StrEnum):
+    PENDING = "pending"  # created, no run yet
+    RUNNING = "running"  # a turn is generating
+    FINISHED = "finished"  # the last turn ended
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class KvLocation:
+    verifier_id: str = ""
+    length: int = 0  # tokens of the committed sequence whose K/V the verifier holds, as last reported
+    epoch: int = 0
+
+
+@dataclass(frozen=True)
+class SessionRecord:
+    session_id: str
+    prompt_ids: tuple[int, ...]
+    committed_ids: tuple[int, ...]  # the whole sequence, prompt included
+    params: Mapping[str, Any]
+    status: SessionStatus
+    drafter_id: str
+    verifier_id: str
+    kv: KvLocation
+    created_unix_ms: int
+    updated_unix_ms: int
+
+    @property
+    def epoch(self) -> int:
+        return self.kv.epoch
+
+    @property
+    def committed_length(self) -> int:
+        return len(self.committed_ids)
+
+
+@dataclass(frozen=True)
+class ServiceInfo:
+    role: str  # "verifier" or "drafter"
+    service_id: str
+    address: str  # host:port of its gRPC server
+    capacity: int = 0  # sessions it can hold
+    load: int = 0  # sessions it holds now
+
+
+class StoreError(Exception):
+    pass
+
+
+class SessionNotFound(StoreError, LookupError):
+    def __init__(self, session_id: str):
+        super().__init__(f"session {session_id!r} not found (never created, deleted or expired)")
+        self.session_id = session_id
+
+
+class SessionExists(StoreError):
+    def __init__(self, session_id: str):
+        super().__init__(f"session {session_id!r} already exists")
+        self.session_id = session_id
+
+
+class SessionConflict(StoreError):
+    """A write expected a committed length or epoch the session no longer has."""
+
+    def __init__(self, session_id: str, reason: str, committed_length: int, epoch: int):
+        super().__init__(f"session {session_id!r}: {reason} (committed length {committed_length}, epoch {epoch})")
+        self.session_id, self.committed_length, self.epoch = session_id, committed_length, epoch
+
+
+class SessionStore(Protocol):
+    def create_session(self, session_id: str, prompt_ids: Sequence[int], params: Mapping[str, Any]) -> SessionRecord:
+        """A new PENDING session at epoch 0 whose committed sequence is the prompt. SessionExists if taken."""
+        ...
+
+    def get_session(self, session_id: str) -> SessionRecord: ...
+
+    def get_tokens(self, session_id: str, start: int = 0) -> list[int]:
+        """committed_ids[start:]."""
+        ...
+
+    def append_tokens(self, session_id: str, position: int, tokens: Sequence[int], epoch: int) -> int:
+        """Commit `tokens` at absolute positions position, position + 1, ... iff the committed length
+        is `position` and the epoch is `epoch`; else SessionConflict. Returns the new length."""
+        ...
+
+    def begin_epoch(self, session_id: str, expected_epoch: int, drafter_id: str, verifier_id: str) -> int:
+        """Start a new run iff the epoch is `expected_epoch` (else SessionConflict): epoch + 1, status
+        RUNNING, the run's drafter and verifier, KV location on that verifier (length kept if it is
+        the same verifier, else 0). Returns the new epoch."""
+        ...
+
+    def set_kv_length(self, session_id: str, epoch: int, length: int) -> None:
+        """Record the KV length the verifier reported, iff the epoch is current."""
+        ...
+
+    def update_session(
+        self,
+        session_id: str,
+        *,
+        status: SessionStatus | None = None,
+        params: Mapping[str, Any] | None = None,
+        epoch: int | None = None,
+    ) -> None:
+        """Set the given fields; with `epoch`, only if it is current (else SessionConflict)."""
+        ...
+
+    def delete_session(self, session_id: str) -> bool: ...
+
+    def register_service(self, info: ServiceInfo, ttl_s: float) -> None:
+        """Register or heartbeat: the entry lives ttl_s seconds after the latest call."""
+        ...
+
+    def list_services(self, role: str) -> list[ServiceInfo]:
+        """Live services of a role, by service_id."""
+        ...
+
+    def unregister_service(self, role: str, service_id: str) -> None: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation and encoding shared by both stores
+
+_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+_MAX_TOKEN_ID = 2**32 - 1
+
+
+def _check_id(kind: str, value: str) -> None:
+    if not isinstance(value, str) or not _ID.fullmatch(value):
+        raise ValueError(f"{kind} must be 1-128 characters of [A-Za-z0-9._-], got {value!r}")
+
+
+def _check_tokens(tokens: Sequence[int], what: str) -> list[int]:
+    tokens = [int(t) for t in tokens]
+    if not tokens:
+        raise ValueError(f"{what} must not be empty")
+    bad = next((t for t in tokens if not 0 <= t <= _MAX_TOKEN_ID), None)
+    if bad is not None:
+        raise ValueError(f"{what}: token id {bad} is outside [0, 2**32)")
+    return tokens
+
+
+def _check_count(name: str, value: int) -> int:
+    if int(value) != value or value < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    return int(value)
+
+
+def _params_json(params: Mapping[str, Any]) -> str:
+    """Both stores keep params as JSON text, so both give back the same (JSON) values."""
+    return json.dumps(dict(params), sort_keys=True, separators=(",", ":"))
+
+
+def _pack(tokens: Sequence[int]) -> bytes:
+    return struct.pack(f"<{len(tokens)}I", *tokens)
+
+
+def _unpack(data: bytes) -> tuple[int, ...]:
+    return struct.unpack(f"<{len(data) // 4}I", data)
+
+
+def _append_refused(position: int, epoch: int) -> str:
+    return f"append at position {position} in epoch {epoch} refused"
+
+
+def _epoch_refused(epoch: int | None) -> str:
+    return f"write expecting epoch {epoch} refused"
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+# ---------------------------------------------------------------------------------------------
+# Redis
+
+# Every session script: KEYS = [hash, tokens]; returns {code, committed_length, epoch} with
+# code 1 = done, 0 = conflict, -1 = no such session.
+_SESSION_STATE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {-1, 0, 0} end
+local epoch = tonumber(redis.call('HGET', KEYS[1], 'epoch'))
+local length = math.floor(redis.call('STRLEN', KEYS[2]) / 4)
+local function touch(now_ms, ttl_ms)
+  redis.call('HSET', KEYS[1], 'updated_unix_ms', now_ms)
+  redis.call('PEXPIRE', KEYS[1], ttl_ms)
+  redis.call('PEXPIRE', KEYS[2], ttl_ms)
+end
+"""
+
+# ARGV: prompt (packed), params, status, now_ms, ttl_ms
+_CREATE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], 'prompt_ids', ARGV[1], 'params', ARGV[2], 'status', ARGV[3],
+  'drafter_id', '', 'verifier_id', '', 'kv_verifier_id', '', 'kv_length', 0, 'epoch', 0,
+  'created_unix_ms', ARGV[4], 'updated_unix_ms', ARGV[4])
+redis.call('PEXPIRE', KEYS[1], ARGV[5])
+redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[5])
+return 1
+"""
+
+# ARGV: position, epoch, tokens (packed), now_ms, ttl_ms
+_APPEND = (
+    _SESSION_STATE
+    + """
+if epoch ~= tonumber(ARGV[2]) or length ~= tonumber(ARGV[1]) then return {0, length, epoch} end
+redis.call('APPEND', KEYS[2], ARGV[3])
+touch(ARGV[4], ARGV[5])
+return {1, length + math.floor(#ARGV[3] / 4), epoch}
+"""
+)
+
+# ARGV: expected_epoch, drafter_id, verifier_id, running status, now_ms, ttl_ms
+_BEGIN_EPOCH = (
+    _SESSION_STATE
+    + """
+if epoch ~= tonumber(ARGV[1]) then return {0, length, epoch} end
+local kv_length = 0
+if redis.call('HGET', KEYS[1], 'kv_verifier_id') == ARGV[3] then
+  kv_length = redis.call('HGET', KEYS[1], 'kv_length')
+end
+redis.call('HSET', KEYS[1], 'epoch', epoch + 1, 'drafter_id', ARGV[2], 'verifier_id', ARGV[3],
+  'kv_verifier_id', ARGV[3], 'kv_length', kv_length, 'status', ARGV[4])
+touch(ARGV[5], ARGV[6])
+return {1, length, epoch + 1}
+"""
+)
+
+# ARGV: epoch or '' (any), now_ms, ttl_ms, then field, value pairs
+_UPDATE = (
+    _SESSION_STATE
+    + """
+if ARGV[1] ~= '' and tonumber(ARGV[1]) ~= epoch then return {0, length, epoch} end
+for i = 4, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+touch(ARGV[2], ARGV[3])
+return {1, length, epoch}
+"""
+)
+
+# KEYS: [index set, service key]; ARGV: service_id, info json, ttl_ms
+_REGISTER = """
+redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
+redis.call('SADD', KEYS[1], ARGV[1])
+if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[3]) then redis.call('PEXPIRE', KEYS[1], ARGV[3]) end
+return 1
+"""
+
+# KEYS: [index set]; ARGV: service key prefix. Drops the ids whose key expired.
+_LIST = """
+local out = {}
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local info = redis.call('GET', ARGV[1] .. id)
+  if info then table.insert(out, info) else redis.call('SREM', KEYS[1], id) end
+end
+return out
+"""
+
+
+class RedisSessionStore:
+    """SessionStore on one Redis server (standalone or a primary; scripts touch keys of one session,
+    and the registry scripts a role's keys, so Redis Cluster is not supported)."""
+
+    def __init__(self, client: redis.Redis, namespace: str = "rsd", session_ttl_s: float = 24 * 3600.0):
+        if client.get_connection_kwargs().get("decode_responses"):
+            raise ValueError("RedisSessionStore needs a client with decode_responses=False (tokens are binary)")
+        if not namespace or any(c.isspace() for c in namespace):
+            raise ValueError(f"namespace must be non-empty without spaces, got {namespace!r}")
+        if session_ttl_s <= 0:
+            raise ValueError(f"session_ttl_s must be > 0, got {session_ttl_s}")
+        self.client, self.namespace = client, namespace
+        self.session_ttl_ms = max(1, round(session_ttl_s * 1000))
+        self._create = client.register_script(_CREATE)
+        self._append = client.register_script(_APPEND)
+        self._begin_epoch = client.register_script(_BEGIN_EPOCH)
+        self._update = client.register_script(_UPDATE)
+        self._register = client.register_script(_REGISTER)
+        self._list = client.register_script(_LIST)
+
+    @classmethod
+    def from_url(cls, url: str, namespace: str = "rsd", session_ttl_s: float = 24 * 3600.0) -> RedisSessionStore:
+        return cls(redis.Redis.from_url(url), namespace, session_ttl_s)
+
+    def session_keys(self, session_id: str) -> list[str]:
+        """[hash key, tokens key] of a session."""
+        _check_id("session_id", session_id)
+        key = f"{self.namespace}:session:{session_id}"
+        return [key, f"{key}:tokens"]
+
+    def _service_key_prefix(self, role: str) -> str:
+        return f"{self.namespace}:service:{role}:"
+
+    def _run(self, script: Script, session_id: str, args: list[Any], refused: str) -> tuple[int, int]:
+        """Run a session script; raise on a missing session or a conflict; return (length, epoch)."""
+        code, length, epoch = script(keys=self.session_keys(session_id), args=args)
+        if code == -1:
+            raise SessionNotFound(session_id)
+        if code == 0:
+            raise SessionConflict(session_id, refused, length, epoch)
+        return length, epoch
+
+    def create_session(self, session_id: str, prompt_ids: Sequence[int], params: Mapping[str, Any]) -> SessionRecord:
+        prompt = _check_tokens(prompt_ids, "prompt_ids")
+        args = [_pack(prompt), _params_json(params), SessionStatus.PENDING.value, _now_ms(), self.session_ttl_ms]
+        if not self._create(keys=self.session_keys(session_id), args=args):
+            raise SessionExists(session_id)
+        return self.get_session(session_id)
+
+    def get_session(self, session_id: str) -> SessionRecord:
+        hash_key, tokens_key = self.session_keys(session_id)
+        pipe = self.client.pipeline(transaction=True)
+        fields, tokens = pipe.hgetall(hash_key).get(tokens_key).execute()
+        if not fields:
+            raise SessionNotFound(session_id)
+        f = {k.decode(): v for k, v in fields.items()}
+        return SessionRecord(
+            session_id=session_id,
+            prompt_ids=_unpack(f["prompt_ids"]),
+            committed_ids=_unpack(tokens or b""),
+            params=json.loads(f["params"]),
+            status=SessionStatus(f["status"].decode()),
+            drafter_id=f["drafter_id"].decode(),
+            verifier_id=f["verifier_id"].decode(),
+            kv=KvLocation(f["kv_verifier_id"].decode(), int(f["kv_length"]), int(f["epoch"])),
+            created_unix_ms=int(f["created_unix_ms"]),
+            updated_unix_ms=int(f["updated_unix_ms"]),
+        )
+
+    def get_tokens(self, session_id: str, start: int = 0) -> list[int]:
+        start = _check_count("start", start)
+        hash_key, tokens_key = self.session_keys(session_id)
+        pipe = self.client.pipeline(transaction=True)
+        exists, data = pipe.exists(hash_key).getrange(tokens_key, 4 * start, -1).execute()
+        if not exists:
+            raise SessionNotFound(session_id)
+        return list(_unpack(data))
+
+    def append_tokens(self, session_id: str, position: int, tokens: Sequence[int], epoch: int) -> int:
+        tokens = _check_tokens(tokens, "tokens")
+        args = [_check_count("position", position), _check_count("epoch", epoch), _pack(tokens)]
+        refused = _append_refused(position, epoch)
+        return self._run(self._append, session_id, [*args, _now_ms(), self.session_ttl_ms], refused)[0]
+
+    def begin_epoch(self, session_id: str, expected_epoch: int, drafter_id: str, verifier_id: str) -> int:
+        _check_id("drafter_id", drafter_id)
+        _check_id("verifier_id", verifier_id)
+        args = [_check_count("expected_epoch", expected_epoch), drafter_id, verifier_id, SessionStatus.RUNNING.value]
+        refused = _epoch_refused(expected_epoch)
+        return self._run(self._begin_epoch, session_id, [*args, _now_ms(), self.session_ttl_ms], refused)[1]
+
+    def set_kv_length(self, session_id: str, epoch: int, length: int) -> None:
+        args = [_check_count("epoch", epoch), _now_ms(), self.session_ttl_ms]
+        self._run(self._update, session_id, [*args, "kv_length", _check_count("length", length)], _epoch_refused(epoch))
+
+    def update_session(
+        self,
+        session_id: str,
+        *,
+        status: SessionStatus | None = None,
+        params: Mapping[str, Any] | None = None,
+        epoch: int | None = None,
+    ) -> None:
+        pairs: list[Any] = []
+        if status is not None:
+            pairs += ["status", SessionStatus(status).value]
+        if params is not None:
+            pairs += ["params", _params_json(params)]
+        check = "" if epoch is None else _check_count("epoch", epoch)
+        self._run(self._update, session_id, [check, _now_ms(), self.session_ttl_ms, *pairs], _epoch_refused(epoch))
+
+    def delete_session(self, session_id: str) -> bool:
+        return self.client.delete(*self.session_keys(session_id)) > 0
+
+    def register_service(self, info: ServiceInfo, ttl_s: float) -> None:
+        _check_id("role", info.role)
+        _check_id("service_id", info.service_id)
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        index = f"{self.namespace}:services:{info.role}"
+        key = self._service_key_prefix(info.role) + info.service_id
+        self._register(keys=[index, key], args=[info.service_id, json.dumps(asdict(info)), max(1, round(ttl_s * 1000))])
+
+    def list_services(self, role: str) -> list[ServiceInfo]:
+        _check_id("role", role)
+        found = self._list(keys=[f"{self.namespace}:services:{role}"], args=[self._service_key_prefix(role)])
+        return sorted((ServiceInfo(**json.loads(raw)) for raw in found), key=lambda s: s.service_id)
+
+    def unregister_service(self, role: str, service_id: str) -> None:
+        _check_id("role", role)
+        _check_id("service_id", service_id)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.delete(self._service_key_prefix(role) + service_id).srem(f"{self.namespace}:services:{role}", service_id)
+        pipe.execute()
+
+
+# ---------------------------------------------------------------------------------------------
+# In memory
+
+
+@dataclass
+class _Session:
+    record: SessionRecord
+    params_json: str
+    expires_at: float  # time.monotonic()
+
+
+class MemorySessionStore:
+    """SessionStore in this process's memory, same semantics as RedisSessionStore (TTLs included).
+    For a single-process run only: nothing is shared or survives the process."""
+
+    def __init__(self, session_ttl_s: float = 24 * 3600.0):
+        if session_ttl_s <= 0:
+            raise ValueError(f"session_ttl_s must be > 0, got {session_ttl_s}")
+        self.session_ttl_s = session_ttl_s
+        self._sessions: dict[str, _Session] = {}
+        self._services: dict[str, dict[str, tuple[ServiceInfo, float]]] = {}  # role -> id -> (info, expires_at)
+        self._lock = threading.Lock()
+
+    def _live(self, session_id: str) -> _Session:
+        """The live session (lock held), expired ones dropped."""
+        _check_id("session_id", session_id)
+        entry = self._sessions.get(session_id)
+        if entry is not None and entry.expires_at <= time.monotonic():
+            del self._sessions[session_id]
+            entry = None
+        if entry is None:
+            raise SessionNotFound(session_id)
+        return entry
+
+    def _write(self, entry: _Session, **changes: Any) -> None:
+        entry.record = replace(entry.record, updated_unix_ms=_now_ms(), **changes)
+        entry.expires_at = time.monotonic() + self.session_ttl_s
+
+    def _conflict(self, entry: _Session, reason: str) -> SessionConflict:
+        record = entry.record
+        return SessionConflict(record.session_id, reason, record.committed_length, record.epoch)
+
+    def create_session(self, session_id: str, prompt_ids: Sequence[int], params: Mapping[str, Any]) -> SessionRecord:
+        prompt = tuple(_check_tokens(prompt_ids, "prompt_ids"))
+        params_json = _params_json(params)
+        with self._lock:
+            try:
+                self._live(session_id)
+            except SessionNotFound:
+                pass
+            else:
+                raise SessionExists(session_id)
+            now = _now_ms()
+            record = SessionRecord(
+                session_id,
+                prompt,
+                prompt,
+                json.loads(params_json),
+                SessionStatus.PENDING,
+                "",
+                "",
+                KvLocation(),
+                now,
+                now,
+            )
+            self._sessions[session_id] = _Session(record, params_json, time.monotonic() + self.session_ttl_s)
+            return record
+
+    def get_session(self, session_id: str) -> SessionRecord:
+        with self._lock:
+            entry = self._live(session_id)
+            return replace(entry.record, params=json.loads(entry.params_json))  # a copy the caller may mutate
+
+    def get_tokens(self, session_id: str, start: int = 0) -> list[int]:
+        start = _check_count("start", start)
+        with self._lock:
+            return list(self._live(session_id).record.committed_ids[start:])
+
+    def append_tokens(self, session_id: str, position: int, tokens: Sequence[int], epoch: int) -> int:
+        tokens = _check_tokens(tokens, "tokens")
+        position, epoch = _check_count("position", position), _check_count("epoch", epoch)
+        with self._lock:
+            entry = self._live(session_id)
+            record = entry.record
+            if record.epoch != epoch or record.committed_length != position:
+                raise self._conflict(entry, _append_refused(position, epoch))
+            self._write(entry, committed_ids=record.committed_ids + tuple(tokens))
+            return entry.record.committed_length
+
+    def begin_epoch(self, session_id: str, expected_epoch: int, drafter_id: str, verifier_id: str) -> int:
+        _check_id("drafter_id", drafter_id)
+        _check_id("verifier_id", verifier_id)
+        expected_epoch = _check_count("expected_epoch", expected_epoch)
+        with self._lock:
+            entry = self._live(session_id)
+            kv = entry.record.kv
+            if kv.epoch != expected_epoch:
+                raise self._conflict(entry, _epoch_refused(expected_epoch))
+            length = kv.length if kv.verifier_id == verifier_id else 0
+            self._write(
+                entry,
+                status=SessionStatus.RUNNING,
+                drafter_id=drafter_id,
+                verifier_id=verifier_id,
+                kv=KvLocation(verifier_id, length, kv.epoch + 1),
+            )
+            return kv.epoch + 1
+
+    def set_kv_length(self, session_id: str, epoch: int, length: int) -> None:
+        epoch, length = _check_count("epoch", epoch), _check_count("length", length)
+        with self._lock:
+            entry = self._live(session_id)
+            if entry.record.epoch != epoch:
+                raise self._conflict(entry, _epoch_refused(epoch))
+            self._write(entry, kv=replace(entry.record.kv, length=length))
+
+    def update_session(
+        self,
+        session_id: str,
+        *,
+        status: SessionStatus | None = None,
+        params: Mapping[str, Any] | None = None,
+        epoch: int | None = None,
+    ) -> None:
+        changes: dict[str, Any] = {}
+        if status is not None:
+            changes["status"] = SessionStatus(status)
+        params_json = None if params is None else _params_json(params)
+        if epoch is not None:
+            epoch = _check_count("epoch", epoch)
+        with self._lock:
+            entry = self._live(session_id)
+            if epoch is not None and entry.record.epoch != epoch:
+                raise self._conflict(entry, _epoch_refused(epoch))
+            if params_json is not None:
+                entry.params_json = params_json
+                changes["params"] = json.loads(params_json)
+            self._write(entry, **changes)
+
+    def delete_session(self, session_id: str) -> bool:
+        with self._lock:
+            try:
+                self._live(session_id)
+            except SessionNotFound:
+                return False
+            del self._sessions[session_id]
+            return True
+
+    def register_service(self, info: ServiceInfo, ttl_s: float) -> None:
+        _check_id("role", info.role)
+        _check_id("service_id", info.service_id)
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        with self._lock:
+            self._services.setdefault(info.role, {})[info.service_id] = (info, time.monotonic() + ttl_s)
+
+    def list_services(self, role: str) -> list[ServiceInfo]:
+        _check_id("role", role)
+        now = time.monotonic()
+        with self._lock:
+            live = {sid: entry for sid, entry in self._services.get(role, {}).items() if entry[1] > now}
+            self._services[role] = live
+            return [live[sid][0] for sid in sorted(live)]
+
+    def unregister_service(self, role: str, service_id: str) -> None:
+        _check_id("role", role)
+        _check_id("service_id", service_id)
+        with self._lock:
+            self._services.get(role, {}).pop(service_id, None)

@@ -1,0 +1,274 @@
+"""Conversions between the algorithm's types (`rsd`) and the wire messages (`rsd.v1` protos).
+
+    torch.Tensor            <->  Tensor {dtype, shape, data}
+    rsd.tree.DraftTree      <->  DraftTree: dense draft_probs [N, V] <-> one ProposalLaw per internal node
+    rsd.acceptance.Verdict  <->  Verdict
+    rsd.sampling.SamplingParams <-> SamplingParams
+    rsd.methods.Method      <->  Method {name, shape}
+
+Every *_from_proto function treats its message as untrusted: it raises ValueError naming the field,
+what was expected and what came, and never returns something the algorithm would reject.
+Servicers map that ValueError to INVALID_ARGUMENT.
+
+Proposal laws (verifier.proto, ProposalLaw) have one canonical encoding: the support (the nonzero
+entries, in increasing token id) when listing it is smaller than the dense row, else the dense
+row. So encode(decode(encode(tree))) is bit-identical to encode(tree), and decoding restores the
+rows of internal nodes exactly; rows of leaves are not sent and decode as zeros.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import sys
+
+import torch
+from torch import Tensor
+
+from rsd.acceptance import Verdict
+from rsd.methods import Method
+from rsd.sampling import SamplingParams
+from rsd.tree import DraftTree, validate_draft_tree, validate_tree
+from rsd_wire import common_pb2, verifier_pb2
+
+if sys.byteorder != "little":  # pragma: no cover
+    raise ImportError("rsd_wire writes tensors little-endian with native byte copies; this host is big-endian")
+
+_TORCH_DTYPE: dict[int, torch.dtype] = {
+    common_pb2.DTYPE_BOOL: torch.bool,
+    common_pb2.DTYPE_UINT8: torch.uint8,
+    common_pb2.DTYPE_INT8: torch.int8,
+    common_pb2.DTYPE_INT16: torch.int16,
+    common_pb2.DTYPE_INT32: torch.int32,
+    common_pb2.DTYPE_INT64: torch.int64,
+    common_pb2.DTYPE_FLOAT16: torch.float16,
+    common_pb2.DTYPE_BFLOAT16: torch.bfloat16,
+    common_pb2.DTYPE_FLOAT32: torch.float32,
+    common_pb2.DTYPE_FLOAT64: torch.float64,
+}
+_WIRE_DTYPE: dict[torch.dtype, int] = {dtype: wire for wire, dtype in _TORCH_DTYPE.items()}
+_ID_DTYPES = (torch.int32, torch.int64)
+_PROB_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# How far from 1 the sum of a decoded law may be: 16-bit probabilities are rounded per entry.
+_SUM_ATOL = {torch.float16: 1e-2, torch.bfloat16: 1e-2, torch.float32: 1e-4, torch.float64: 1e-4}
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensors
+
+
+def tensor_to_proto(tensor: Tensor) -> common_pb2.Tensor:
+    """Copy `tensor` (any device, any strides) into a Tensor message: row-major, little-endian."""
+    wire = _WIRE_DTYPE.get(tensor.dtype)
+    if wire is None:
+        allowed = ", ".join(str(d) for d in _WIRE_DTYPE)
+        raise ValueError(f"dtype {tensor.dtype} cannot travel; expected one of {allowed}")
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)  # [numel]
+    data = flat.view(torch.uint8).numpy().tobytes()  # [numel * itemsize] raw bytes
+    return common_pb2.Tensor(dtype=wire, shape=list(tensor.shape), data=data)
+
+
+def tensor_from_proto(msg: common_pb2.Tensor, name: str = "tensor") -> Tensor:
+    """A new CPU tensor holding a copy of msg's data; ValueError when dtype, shape and data disagree."""
+    dtype = _TORCH_DTYPE.get(msg.dtype)
+    if dtype is None:
+        allowed = ", ".join(common_pb2.DType.Name(w) for w in _TORCH_DTYPE)
+        raise ValueError(f"{name}: dtype {_dtype_name(msg.dtype)} is not allowed; expected one of {allowed}")
+    shape = tuple(msg.shape)
+    if any(d < 0 for d in shape):
+        raise ValueError(f"{name}: shape {list(shape)} has a negative size")
+    numel = math.prod(shape)
+    if len(msg.data) != numel * dtype.itemsize:
+        raise ValueError(
+            f"{name}: shape {list(shape)} of {common_pb2.DType.Name(msg.dtype)} needs "
+            f"{numel * dtype.itemsize} bytes, got {len(msg.data)}"
+        )
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.frombuffer(bytearray(msg.data), dtype=torch.uint8)  # [numel * itemsize], owns a copy
+    if dtype == torch.bool and bool((raw > 1).any()):
+        raise ValueError(f"{name}: a bool tensor holds bytes other than 0 and 1")
+    return raw.view(dtype).reshape(shape)
+
+
+def _dtype_name(wire: int) -> str:
+    try:
+        return common_pb2.DType.Name(wire)
+    except ValueError:
+        return f"<unknown {wire}>"
+
+
+def _ids_from_proto(msg: common_pb2.Tensor, name: str) -> Tensor:
+    """A 1-D int32/int64 Tensor message -> int64 [n]."""
+    ids = tensor_from_proto(msg, name)
+    if ids.dtype not in _ID_DTYPES or ids.dim() != 1:
+        raise ValueError(f"{name}: expected a 1-D int32 or int64 tensor, got {ids.dtype} {list(ids.shape)}")
+    return ids.to(torch.int64)
+
+
+# ---------------------------------------------------------------------------------------------
+# Draft trees
+
+
+def draft_tree_to_proto(tree: DraftTree, *, session_id: str, epoch: int, root_position: int) -> verifier_pb2.DraftTree:
+    """The tree with one ProposalLaw per internal node, in increasing node index."""
+    vocab_size = tree.draft_probs.shape[-1]  # draft_probs [N, V]
+    validate_tree(tree.token_ids, tree.parent_idx, vocab_size)
+    internal = torch.unique(tree.parent_idx[1:]).tolist()  # sorted
+    return verifier_pb2.DraftTree(
+        session_id=session_id,
+        epoch=epoch,
+        root_position=root_position,
+        token_ids=tensor_to_proto(tree.token_ids),
+        parent_idx=tensor_to_proto(tree.parent_idx),
+        vocab_size=vocab_size,
+        laws=[proposal_law_to_proto(node, tree.draft_probs[node]) for node in internal],
+    )
+
+
+def proposal_law_to_proto(node_idx: int, probs: Tensor) -> verifier_pb2.ProposalLaw:
+    """probs [V] -> the canonical ProposalLaw: sparse (int32 ids, probs) if smaller, else dense."""
+    if probs.dtype not in _PROB_DTYPES or probs.dim() != 1:
+        raise ValueError(f"law of node {node_idx}: expected a 1-D float tensor, got {probs.dtype} {list(probs.shape)}")
+    if not bool(torch.isfinite(probs).all()) or bool((probs < 0).any()):
+        raise ValueError(f"law of node {node_idx}: probabilities must be finite and non-negative")
+    support = probs.nonzero().flatten()  # [S] increasing token ids
+    sparse_bytes = support.numel() * (torch.int32.itemsize + probs.dtype.itemsize)
+    if sparse_bytes < probs.numel() * probs.dtype.itemsize:
+        return verifier_pb2.ProposalLaw(
+            node_idx=node_idx,
+            token_ids=tensor_to_proto(support.to(torch.int32)),
+            probs=tensor_to_proto(probs[support]),  # [S]
+        )
+    return verifier_pb2.ProposalLaw(node_idx=node_idx, probs=tensor_to_proto(probs))
+
+
+def draft_tree_from_proto(msg: verifier_pb2.DraftTree, vocab_size: int, max_nodes: int | None = None) -> DraftTree:
+    """Decode and fully validate (rsd.tree.validate_draft_tree) an untrusted tree.
+
+    vocab_size is the receiver's V; msg.vocab_size must equal it (so a hostile V cannot size the
+    dense [N, V] tensor). Leaf rows of draft_probs are zero.
+    """
+    if msg.vocab_size != vocab_size:
+        raise ValueError(f"vocab_size: expected {vocab_size}, got {msg.vocab_size}")
+    token_ids = _ids_from_proto(msg.token_ids, "token_ids")  # [N]
+    parent_idx = _ids_from_proto(msg.parent_idx, "parent_idx")  # [N]
+    validate_tree(token_ids, parent_idx, vocab_size, max_nodes)
+    internal = torch.unique(parent_idx[1:]).tolist()
+    law_nodes = [law.node_idx for law in msg.laws]
+    if law_nodes != internal:
+        raise ValueError(f"laws: expected one per internal node {internal} in that order, got nodes {law_nodes}")
+    laws = [_law_from_proto(law, vocab_size) for law in msg.laws]
+    dtypes = {probs.dtype for _, probs in laws} or {torch.float32}
+    if len(dtypes) > 1:
+        raise ValueError(f"laws: every law of a tree must have one probs dtype, got {sorted(map(str, dtypes))}")
+    (dtype,) = dtypes
+    draft_probs = torch.zeros(token_ids.shape[0], vocab_size, dtype=dtype)  # [N, V]
+    for node, (ids, probs) in zip(internal, laws, strict=True):
+        if ids is None:
+            draft_probs[node] = probs
+        else:
+            draft_probs[node, ids] = probs
+    tree = DraftTree(token_ids, parent_idx, draft_probs)
+    validate_draft_tree(tree, max_nodes, atol=_SUM_ATOL[dtype])
+    return tree
+
+
+def _law_from_proto(law: verifier_pb2.ProposalLaw, vocab_size: int) -> tuple[Tensor | None, Tensor]:
+    """-> (ids [S] int64 or None for the dense form, probs [S] or [V])."""
+    where = f"laws[node {law.node_idx}]"
+    probs = tensor_from_proto(law.probs, f"{where}.probs")
+    if probs.dtype not in _PROB_DTYPES or probs.dim() != 1:
+        raise ValueError(f"{where}.probs: expected a 1-D float tensor, got {probs.dtype} {list(probs.shape)}")
+    if not law.HasField("token_ids"):
+        if probs.shape[0] != vocab_size:
+            raise ValueError(f"{where}.probs: a dense law needs [V={vocab_size}] entries, got {probs.shape[0]}")
+        return None, probs
+    ids = _ids_from_proto(law.token_ids, f"{where}.token_ids")
+    if ids.shape != probs.shape or ids.numel() == 0:
+        raise ValueError(f"{where}: token_ids {list(ids.shape)} and probs {list(probs.shape)} must be equal, non-empty")
+    if bool((ids[1:] <= ids[:-1]).any()):
+        raise ValueError(f"{where}.token_ids: must be strictly increasing")
+    if int(ids[0]) < 0 or int(ids[-1]) >= vocab_size:
+        raise ValueError(f"{where}.token_ids: must lie in [0, {vocab_size}), got {int(ids[0])}..{int(ids[-1])}")
+    if not bool(torch.isfinite(probs).all()) or bool((probs <= 0).any()):
+        raise ValueError(f"{where}.probs: the entries of a sparse law must be finite and > 0")
+    return ids, probs
+
+
+# ---------------------------------------------------------------------------------------------
+# Verdicts
+
+
+def verdict_to_proto(
+    verdict: Verdict,
+    *,
+    session_id: str,
+    epoch: int,
+    root_position: int,
+    stats: common_pb2.VerifierStats | None = None,
+) -> verifier_pb2.Verdict:
+    return verifier_pb2.Verdict(
+        session_id=session_id,
+        epoch=epoch,
+        root_position=root_position,
+        accepted_node_idx=verdict.accepted_idx,
+        accepted_token_ids=verdict.accepted_ids,
+        next_token_id=verdict.next_token,
+        is_bonus=verdict.is_bonus,
+        stats=stats,
+    )
+
+
+def verdict_from_proto(msg: verifier_pb2.Verdict) -> Verdict:
+    accepted_idx, accepted_ids = list(msg.accepted_node_idx), list(msg.accepted_token_ids)
+    if len(accepted_idx) != len(accepted_ids):
+        raise ValueError(f"verdict: {len(accepted_idx)} accepted_node_idx but {len(accepted_ids)} accepted_token_ids")
+    if any(i <= 0 for i in accepted_idx) or any(b <= a for a, b in itertools.pairwise(accepted_idx)):
+        raise ValueError(f"verdict: accepted_node_idx must be increasing draft nodes (> 0), got {accepted_idx}")
+    if any(t < 0 for t in [*accepted_ids, msg.next_token_id]):
+        raise ValueError("verdict: token ids must be >= 0")
+    return Verdict(accepted_idx, accepted_ids, msg.next_token_id, msg.is_bonus)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling parameters and methods
+
+
+def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+
+
+def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """Absent temperature / top_p take SamplingParams' defaults; SamplingParams validates the values."""
+    defaults = SamplingParams()
+    return SamplingParams(
+        temperature=msg.temperature if msg.HasField("temperature") else defaults.temperature,
+        top_k=msg.top_k,
+        top_p=msg.top_p if msg.HasField("top_p") else defaults.top_p,
+    )
+
+
+def method_shape(method: Method) -> str:
+    """The shape string Method.parse reads back into `method`: "4", "2,2,1", "3x4"."""
+    if not method.branching:
+        raise ValueError(f"{method} has no tree shape")
+    if method.name == "sd":
+        shape = str(method.depth)
+    elif method.name == "spectr":
+        shape = f"{method.branching[0]}x{method.depth}"
+    elif method.name == "rsd_s":
+        shape = f"{method.beam_width}x{method.depth}"
+    else:
+        shape = ",".join(str(k) for k in method.branching)
+    if Method.parse(method.name, shape) != method:
+        raise ValueError(f"{method} is not a shape Method.parse can produce (closest: {shape!r})")
+    return shape
+
+
+def method_to_proto(method: Method) -> common_pb2.Method:
+    return common_pb2.Method(name=method.name, shape=method_shape(method))
+
+
+def method_from_proto(msg: common_pb2.Method) -> Method:
+    return Method.parse(msg.name, msg.shape)
