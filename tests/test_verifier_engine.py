@@ -1,0 +1,220 @@
+"""The batched verifier engine against the single-session path (rsd_runtime.generator.Verifier).
+
+Reference for every check: each session run alone through ModelRunner + Verifier (or the whole
+SpeculativeGenerator). The packed forward must give the same logits (1e-4) and the same verdicts.
+"""
+
+import pytest
+import torch
+
+from rsd.acceptance import RULES
+from rsd.methods import Method
+from rsd.sampling import SamplingParams
+from rsd.tree import DraftTree
+from rsd_runtime.generator import Drafter, SpeculativeGenerator, Verifier, _forward_with_catch_up
+from rsd_runtime.models import load_model
+from rsd_runtime.runner import ModelRunner
+from rsd_runtime.tiny import build_tiny_pair
+from verifier_service.engine import (
+    BatchedVerifier,
+    BatchVerifyError,
+    PoolFullError,
+    UnknownSessionError,
+    VerifyRequest,
+)
+
+ATOL = 1e-4
+PROMPTS = [[2, 10, 11, 12], [2, 50], [2, 7, 7, 7, 7, 30, 31]]
+SHAPES = [[-1, 0, 0, 1, 1, 2], [-1], [-1, 0, 1, 2, 0, 4, 4]]  # parent_idx of three tree shapes
+# (rule, params) per session: greedy, RSD at T=1, K-SEQ at T=0.7 with top-k.
+RULE_PARAMS = [
+    (RULES["greedy"], SamplingParams(0)),
+    (RULES["rrs"], SamplingParams(1.0)),
+    (RULES["kseq"], SamplingParams(0.7, top_k=50)),
+]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def pair(request, tmp_path_factory):
+    draft_dir, target_dir = build_tiny_pair(tmp_path_factory.mktemp("tiny"), request.param)
+    return load_model(draft_dir), load_model(target_dir)
+
+
+def random_tree(root: int, parents: list[int], vocab: int, seed: int) -> DraftTree:
+    """Distinct draft tokens (so siblings are valid without-replacement draws) under `root`, and a
+    full-support proposal law per node."""
+    gen = torch.Generator().manual_seed(seed)
+    n = len(parents)
+    tokens = torch.cat([torch.tensor([root]), 4 + torch.randperm(vocab - 4, generator=gen)[: n - 1]])
+    probs = torch.softmax(2 * torch.randn(n, vocab, generator=gen), -1)
+    return DraftTree(tokens, torch.tensor(parents), probs)
+
+
+def requests_for(committed: dict[str, list[int]], trees: dict[str, DraftTree], seed: int) -> list[VerifyRequest]:
+    return [
+        VerifyRequest(s, committed[s], trees[s], *RULE_PARAMS[i], torch.Generator().manual_seed(seed + i))
+        for i, s in enumerate(committed)
+    ]
+
+
+def test_packed_step_matches_each_session_alone(pair):
+    _, target = pair
+    vocab = target.config.vocab_size
+    engine = BatchedVerifier(target, num_slots=4, max_len=64)
+    sessions = ["a", "b", "c"]
+    committed = dict(zip(sessions, [list(p) for p in PROMPTS], strict=True))
+    alone = {s: ModelRunner(target, 64) for s in sessions}
+    for s in sessions:
+        assert engine.attach(s, committed[s]) == 0
+    for step in range(3):  # step 0 prefills every prompt as a catch-up chain inside the packed forward
+        trees = {
+            s: random_tree(committed[s][-1], SHAPES[(i + step) % 3], vocab, 10 * step + i)
+            for i, s in enumerate(sessions)
+        }
+        reqs = requests_for(committed, trees, seed=100 * step)
+        packed = engine.score_batch(reqs)  # nothing committed
+        verdicts = engine.verify_batch(requests_for(committed, trees, seed=100 * step))
+        for i, (s, req) in enumerate(zip(sessions, reqs, strict=True)):
+            runner = alone[s]
+            ref_logits = _forward_with_catch_up(runner, committed[s], req.tree.token_ids, req.tree.parent_idx)
+            runner.commit(list(range(runner.num_tentative - req.tree.num_nodes)))  # keep the chain only
+            torch.testing.assert_close(packed[i], ref_logits, atol=ATOL, rtol=0)
+            ref = Verifier(runner).verify(
+                committed[s], req.tree, req.rule, req.params, torch.Generator().manual_seed(100 * step + i)
+            )
+            assert verdicts[i] == ref
+            committed[s] = committed[s] + ref.token_ids
+            assert engine.cached_length(s) == runner.cache_len == len(committed[s]) - 1
+
+
+def test_sessions_joining_and_leaving_match_generator(pair):
+    """Four sessions through a 3-slot pool: drafted by one Drafter each, verified together; the last
+    one waits for a released slot. Each output equals SpeculativeGenerator run alone (same seed)."""
+    draft, target = pair
+    jobs = {  # session: (prompt, method, params, seed, step it arrives at)
+        "a": ([2, 10, 11, 12], Method.parse("rsd_c", "2,2"), SamplingParams(0), 0, 0),
+        "b": ([2, 50], Method.parse("rsd_c", "2,2"), SamplingParams(1.0), 1, 0),
+        "c": ([2, 7, 7, 7, 7, 30, 31], Method.parse("spectr", "3x3"), SamplingParams(0), 2, 1),
+        "d": ([2, 9, 40], Method.parse("spectr", "2x3"), SamplingParams(0.8), 3, 1),
+    }
+    new_tokens = 16
+    expected = {
+        s: SpeculativeGenerator(ModelRunner(target, 128), ModelRunner(draft, 128))
+        .generate(p, m, params, max_new_tokens=new_tokens, seed=seed)
+        .token_ids
+        for s, (p, m, params, seed, _) in jobs.items()
+    }
+    engine = BatchedVerifier(target, num_slots=3, max_len=128)
+    engine.attach("warm-up", [2, 3])  # materialise the pool buffers, then check they are never replaced
+    engine.verify_batch(
+        [VerifyRequest("warm-up", [2, 3], random_tree(3, [-1, 0], target.config.vocab_size, 0), *RULE_PARAMS[0])]
+    )
+    engine.release("warm-up")
+    keys = engine.cache.layers[0].keys
+    state: dict[str, tuple] = {}  # active session: (committed, drafter, generator)
+    done: dict[str, list[int]] = {}
+    waited = False
+    step = 0
+    while len(done) < len(jobs):
+        for s, (prompt, _, _, seed, arrives) in jobs.items():
+            if s in state or s in done or arrives > step:
+                continue
+            try:
+                assert engine.attach(s, prompt) == 0
+            except PoolFullError:
+                waited = True
+                continue
+            state[s] = (list(prompt), Drafter(ModelRunner(draft, 128)), torch.Generator().manual_seed(seed))
+        reqs, before = [], {}
+        for s, (committed, drafter, gen) in state.items():
+            _, method, params, _, _ = jobs[s]
+            tree = drafter.draft(committed, method, params, gen)
+            reqs.append(VerifyRequest(s, committed, tree, method.rule(params.greedy), params, gen))
+            before[s] = list(committed)
+        for req, verdict in zip(reqs, engine.verify_batch(reqs), strict=True):
+            committed, drafter, _ = state[req.session_id]
+            drafter.accept(before[req.session_id], verdict)
+            prompt_len = len(jobs[req.session_id][0])
+            committed += verdict.token_ids[: new_tokens - (len(committed) - prompt_len)]
+            if len(committed) - prompt_len == new_tokens:
+                done[req.session_id] = committed[prompt_len:]
+                del state[req.session_id]
+                engine.release(req.session_id)
+        step += 1
+    assert waited, "the fourth session should have waited for a free slot"
+    assert done == expected
+    assert engine.num_free_slots == 3
+    assert engine.cache.layers[0].keys is keys  # K/V were written and moved in place
+
+
+def test_pool_full_unknown_session_and_release(pair):
+    _, target = pair
+    engine = BatchedVerifier(target, num_slots=2, max_len=32)
+    assert engine.attach("a", [2, 5, 6]) == 0
+    assert engine.attach("b", [2, 7]) == 0
+    with pytest.raises(PoolFullError):
+        engine.attach("c", [2])
+    for call in (lambda: engine.cached_length("x"), lambda: engine.release("x")):
+        with pytest.raises(UnknownSessionError):
+            call()
+    tree = random_tree(3, [-1, 0], target.config.vocab_size, 0)
+    with pytest.raises(UnknownSessionError):
+        engine.verify_batch([VerifyRequest("x", [2, 3], tree, RULES["greedy"], SamplingParams(0))])
+    engine.release("a")
+    assert engine.num_free_slots == 1
+    assert engine.attach("c", [2]) == 0
+    with pytest.raises(UnknownSessionError):
+        engine.cached_length("a")
+
+
+def test_attach_crops_and_bad_requests(pair):
+    _, target = pair
+    vocab = target.config.vocab_size
+    engine = BatchedVerifier(target, num_slots=2, max_len=16)
+    committed = [2, 5, 6, 7, 8]
+    engine.attach("a", committed)
+    greedy = (RULES["greedy"], SamplingParams(0))
+    verdict = engine.verify_batch([VerifyRequest("a", committed, random_tree(8, [-1, 0], vocab, 1), *greedy)])[0]
+    committed = committed + verdict.token_ids
+    assert engine.cached_length("a") == len(committed) - 1
+    assert engine.attach("a", committed) == len(committed) - 1  # already attached: kept
+    assert engine.attach("a", [2, 5, 6]) == 2  # shorter truth: cropped to committed - 1
+    assert engine.attach("a", [2, 5, 9, 9]) == 2  # diverging truth: cropped to the common prefix
+    # After cropping the cache still gives the single-session logits.
+    tree = random_tree(9, [-1, 0, 1], vocab, 2)
+    packed = engine.score_batch([VerifyRequest("a", [2, 5, 9, 9], tree, *greedy)])[0]
+    ref = _forward_with_catch_up(ModelRunner(target, 16), [2, 5, 9, 9], tree.token_ids, tree.parent_idx)
+    torch.testing.assert_close(packed, ref, atol=ATOL, rtol=0)
+
+    engine.attach("b", [2, 4])
+    with pytest.raises(ValueError, match="root"):
+        engine.verify_batch([VerifyRequest("b", [2, 4], random_tree(5, [-1], vocab, 0), *greedy)])
+    with pytest.raises(ValueError, match="max_len"):
+        engine.verify_batch([VerifyRequest("b", [2] * 13, random_tree(2, [-1, 0, 0, 0, 0], vocab, 0), *greedy)])
+    with pytest.raises(ValueError, match="twice"):
+        req = VerifyRequest("b", [2, 4], random_tree(4, [-1], vocab, 0), *greedy)
+        engine.verify_batch([req, req])
+    # A tree its rule refuses (RSD needs distinct siblings) fails alone; the other session commits.
+    dup = DraftTree(torch.tensor([4, 9, 9]), torch.tensor([-1, 0, 0]), torch.full((3, vocab), 1 / vocab))
+    good = VerifyRequest("a", [2, 5, 9, 9], tree, *greedy)
+    with pytest.raises(BatchVerifyError) as info:
+        engine.verify_batch([good, VerifyRequest("b", [2, 4], dup, RULES["rrs"], SamplingParams(1.0))])
+    assert set(info.value.errors) == {"b"} and info.value.verdicts[1] is None
+    assert engine.cached_length("a") == 4 + len(info.value.verdicts[0].accepted_ids)
+    assert engine.cached_length("b") == 0
+
+
+def test_eager_attention_packed_logits(tmp_path_factory):
+    """eager adds the mask as is: the float block-diagonal mask must work there too."""
+    _, target_dir = build_tiny_pair(tmp_path_factory.mktemp("tiny_eager"), "llama")
+    target = load_model(target_dir, attn_implementation="eager")
+    vocab = target.config.vocab_size
+    engine = BatchedVerifier(target, num_slots=3, max_len=32)
+    reqs = []
+    for i, (prompt, shape) in enumerate(zip(PROMPTS, SHAPES, strict=True)):
+        engine.attach(str(i), prompt)
+        reqs.append(VerifyRequest(str(i), prompt, random_tree(prompt[-1], shape, vocab, i), *RULE_PARAMS[0]))
+    for req, packed in zip(reqs, engine.score_batch(reqs), strict=True):
+        t = req.tree
+        ref = _forward_with_catch_up(ModelRunner(target, 32), req.committed_ids, t.token_ids, t.parent_idx)
+        torch.testing.assert_close(packed, ref, atol=ATOL, rtol=0)

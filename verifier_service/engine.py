@@ -1,0 +1,301 @@
+"""The batched verifier engine: many sessions' draft trees scored by ONE target forward.
+
+Each session owns a slot of a preallocated KV pool: per layer, keys/values [num_slots, H_kv, max_len, D].
+Slot s holds the K/V of the session's committed tokens but the last one (the next tree's root), at
+positions [0, cached_len). One verify_batch call:
+    1. flattens, per request, the catch-up chain (committed tokens not cached yet) and the tree into one
+       sequence (batch 1, length T = Σ (m_i + N_i)), with per-node position ids cached_len_i + depth
+    2. runs the target once; every layer writes each segment's new K/V into its own slot right after
+       cached_len_i, and attends with a block-diagonal float mask: a node of session i sees session i's
+       cached prefix, its catch-up chain and its own tree ancestors only
+    3. walks each tree with its own rule and generator (rsd.acceptance.verify)
+    4. moves the accepted nodes' K/V (inside the slot) right after the chain and root; the rest is
+       overwritten later. No whole-cache copy ever happens.
+
+Why not transformers' continuous batching (PagedAttentionCache + `paged|sdpa`): its input builder makes
+a causal mask per request from its own scheduler state, with no way to hand it a tree mask, and its
+cache is driven by its request manager. A slot pool with our own 4-D mask is a few dozen lines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from rsd.acceptance import Rule, Verdict, verify
+from rsd.sampling import SamplingParams, logits_to_probs
+from rsd.tree import DraftTree, node_depths, tree_attention_mask, validate_tree
+from rsd_runtime.runner import _check_supported
+
+
+class PoolFullError(RuntimeError):
+    """Every slot of the KV pool is taken."""
+
+
+class UnknownSessionError(LookupError):
+    """The session is not attached to the engine."""
+
+
+class BatchVerifyError(RuntimeError):
+    """Some requests of a packed step failed after the forward (e.g. their rule refused the tree).
+    The others were committed: `verdicts` holds their Verdict (None for a failed one), `errors`
+    maps each failed session id to its exception; failed sessions keep their cache unchanged."""
+
+    def __init__(self, verdicts: list[Verdict | None], errors: dict[str, Exception]):
+        super().__init__("; ".join(f"session {s!r}: {e}" for s, e in errors.items()))
+        self.verdicts, self.errors = verdicts, errors
+
+
+@dataclass(frozen=True)
+class VerifyRequest:
+    session_id: str
+    committed_ids: list[int]  # the session's truth; committed_ids[-1] is the tree's root
+    tree: DraftTree
+    rule: Rule
+    params: SamplingParams
+    generator: torch.Generator | None = None
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """One request's part of a packed forward."""
+
+    slot: int
+    cached: int  # K/V already in the slot: positions [0, cached)
+    start: int  # offset of its new tokens in the packed sequence
+    length: int  # new tokens: catch-up chain (m) + tree (N)
+
+
+class SlotKVLayer(CacheLayerMixin):
+    """One layer of the pool: keys/values [num_slots, H_kv, max_len, D], written in place.
+
+    For a packed call update() writes each segment's new K/V into its slot after its cached prefix and
+    returns K/V = cat(slot prefixes of every segment, then all new tokens) [1, H_kv, Σcached + T, D].
+    That concatenation copies the prefixes once per layer and step; a custom attention function
+    registered through transformers' AttentionInterface that reads the slot ids and lengths from the
+    forward's kwargs (and attends to the slots directly) would avoid it.
+    """
+
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, pool: SlotKVCache):
+        super().__init__()
+        self.pool = pool
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        _, num_heads, _, k_dim = key_states.shape
+        n, max_len = self.pool.num_slots, self.pool.max_len
+        self.device = key_states.device
+        self.keys = key_states.new_zeros(n, num_heads, max_len, k_dim)  # [S, H_kv, max_len, D]
+        self.values = value_states.new_zeros(n, num_heads, max_len, value_states.shape[-1])
+        self.is_initialized = True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        keys, values = [], []
+        for s in self.pool.segments:
+            new = slice(s.start, s.start + s.length)
+            dst = slice(s.cached, s.cached + s.length)
+            self.keys[s.slot, :, dst] = key_states[0, :, new]  # [H_kv, len, D]
+            self.values[s.slot, :, dst] = value_states[0, :, new]
+            keys.append(self.keys[s.slot, :, : s.cached])  # [H_kv, cached, D] view
+            values.append(self.values[s.slot, :, : s.cached])
+        keys.append(key_states[0])  # [H_kv, T, D]
+        values.append(value_states[0])
+        return torch.cat(keys, 1)[None], torch.cat(values, 1)[None]  # [1, H_kv, Σcached + T, D]
+
+    def move(self, slot: int, src_pos: Tensor, dst_start: int) -> None:
+        """Copy slot positions `src_pos` to [dst_start, dst_start + len(src_pos)) of the same slot."""
+        if self.is_initialized:
+            dst = slice(dst_start, dst_start + src_pos.shape[0])
+            # index_select gathers into a new tensor first: sources and targets may overlap.
+            self.keys[slot, :, dst] = self.keys[slot].index_select(1, src_pos)
+            self.values[slot, :, dst] = self.values[slot].index_select(1, src_pos)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return sum(s.cached for s in self.pool.segments) + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return sum(s.cached for s in self.pool.segments)
+
+    def get_max_length(self) -> int:
+        return self.pool.max_len
+
+
+class SlotKVCache(Cache):
+    """A transformers Cache over the slot pool; `segments` describes the packed call in flight."""
+
+    def __init__(self, num_layers: int, num_slots: int, max_len: int):
+        self.num_slots, self.max_len = num_slots, max_len
+        self.segments: list[_Segment] = []
+        super().__init__(layers=[SlotKVLayer(self) for _ in range(num_layers)])
+
+    def move(self, slot: int, src_pos: Tensor, dst_start: int) -> None:
+        for layer in self.layers:
+            layer.move(slot, src_pos, dst_start)
+
+
+class BatchedVerifier:
+    """The target model of many sessions; see the module docstring."""
+
+    def __init__(self, model: PreTrainedModel, num_slots: int, max_len: int):
+        if num_slots < 1 or max_len < 1:
+            raise ValueError(f"num_slots and max_len must be >= 1, got {num_slots} and {max_len}")
+        _check_supported(model, max_len)
+        config = model.config.get_text_config()
+        self.model, self.num_slots, self.max_len = model, num_slots, max_len
+        self.vocab_size: int = config.vocab_size
+        self.cache = SlotKVCache(config.num_hidden_layers, num_slots, max_len)
+        self._slot_of: dict[str, int] = {}
+        self._free = list(range(num_slots - 1, -1, -1))  # pop() gives the lowest free slot
+        self._cached: list[list[int]] = [[] for _ in range(num_slots)]  # tokens whose K/V sit in each slot
+
+    # ---- sessions -------------------------------------------------------------------------------
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free)
+
+    def attach(self, session_id: str, committed_ids: list[int]) -> int:
+        """Give the session a slot (keeping its old one if attached) and crop its cache to the longest
+        prefix of committed_ids[:-1] it holds. Returns the cached length (0 for a new session)."""
+        if session_id not in self._slot_of:
+            if not self._free:
+                raise PoolFullError(f"all {self.num_slots} KV slots are taken; cannot attach {session_id!r}")
+            slot = self._free.pop()
+            self._slot_of[session_id], self._cached[slot] = slot, []
+        return self._sync(self._slot_of[session_id], committed_ids)
+
+    def release(self, session_id: str) -> None:
+        slot = self._slot(session_id)
+        del self._slot_of[session_id]
+        self._cached[slot] = []
+        self._free.append(slot)
+
+    def cached_length(self, session_id: str) -> int:
+        return len(self._cached[self._slot(session_id)])
+
+    def _slot(self, session_id: str) -> int:
+        if session_id not in self._slot_of:
+            raise UnknownSessionError(f"session {session_id!r} is not attached")
+        return self._slot_of[session_id]
+
+    def _sync(self, slot: int, committed_ids: list[int]) -> int:
+        """Crop the slot to its longest prefix equal to committed_ids[:-1] (a restarted run may differ)."""
+        cached, want = self._cached[slot], committed_ids[:-1]
+        n = 0
+        for a, b in zip(cached, want, strict=False):
+            if a != b:
+                break
+            n += 1
+        del cached[n:]
+        return n
+
+    # ---- the packed step ------------------------------------------------------------------------
+    def verify_batch(self, requests: list[VerifyRequest]) -> list[Verdict]:
+        """One target forward over every request's tree, then each rule; keeps each accepted path."""
+        segments, logits = self._forward(requests)
+        verdicts: list[Verdict | None] = []
+        errors: dict[str, Exception] = {}
+        for req, seg, lg in zip(requests, segments, logits, strict=True):
+            try:
+                probs = logits_to_probs(lg, req.params).to(req.tree.draft_probs.dtype)  # [N, V]
+                verdict = verify(req.tree, probs, req.rule, req.generator)
+            except Exception as e:  # one bad tree must not cost the others their step
+                verdicts.append(None)
+                errors[req.session_id] = e
+                continue
+            self._commit(seg, req, verdict)
+            verdicts.append(verdict)
+        if errors:
+            raise BatchVerifyError(verdicts, errors)
+        return verdicts
+
+    def score_batch(self, requests: list[VerifyRequest]) -> list[Tensor]:
+        """The packed forward alone: each tree's logits [N_i, V] float32. Nothing is committed (the new
+        K/V written after each cached prefix are tentative and overwritten by the next call)."""
+        return self._forward(requests)[1]
+
+    @torch.inference_mode()
+    def _forward(self, requests: list[VerifyRequest]) -> tuple[list[_Segment], list[Tensor]]:
+        self._validate(requests)
+        ids, pos, rows, segments, start, cache_off = [], [], [], [], 0, 0
+        for req in requests:
+            slot = self._slot_of[req.session_id]
+            cached = self._sync(slot, req.committed_ids)
+            behind = req.committed_ids[cached:-1]  # catch-up chain
+            m, n = len(behind), req.tree.num_nodes
+            # The segment's own columns: the chain is causal, the tree sees the whole chain and its ancestors.
+            own = torch.zeros(m + n, m + n, dtype=torch.bool)  # [m + N, m + N]
+            own[:m, :m] = torch.ones(m, m, dtype=torch.bool).tril()
+            own[m:, :m] = True
+            own[m:, m:] = tree_attention_mask(req.tree.parent_idx.cpu())
+            rows.append((cache_off, cached, own))
+            ids += behind + req.tree.token_ids.tolist()
+            pos.append(cached + torch.cat([torch.arange(m), m + node_depths(req.tree.parent_idx.cpu())]))  # [m + N]
+            segments.append(_Segment(slot, cached, start, m + n))
+            start, cache_off = start + m + n, cache_off + cached
+        total, device, dtype = start, self.model.device, self.model.dtype
+        neg = torch.finfo(dtype).min
+        # Float additive mask (eager adds a bool mask as +1/+0): [1, 1, T, Σcached + T], block-diagonal.
+        mask = torch.full((1, 1, total, cache_off + total), neg, dtype=dtype)
+        for seg, (off, cached, tree_rows) in zip(segments, rows, strict=True):
+            r = slice(seg.start, seg.start + seg.length)
+            mask[0, 0, r, off : off + cached] = 0
+            c = slice(cache_off + seg.start, cache_off + seg.start + seg.length)
+            mask[0, 0, r, c] = torch.zeros(tree_rows.shape, dtype=dtype).masked_fill_(~tree_rows, neg)
+        self.cache.segments = segments
+        try:
+            out = self.model(
+                input_ids=torch.tensor([ids], dtype=torch.long, device=device),  # [1, T]
+                attention_mask=mask.to(device),
+                position_ids=torch.cat(pos)[None].to(device),  # [1, T]
+                cache=self.cache,
+                use_cache=True,
+            )
+        finally:
+            self.cache.segments = []
+        logits = out.logits[0].float()  # [T, V]
+        m_of = [seg.length - req.tree.num_nodes for seg, req in zip(segments, requests, strict=True)]
+        return segments, [logits[s.start + m : s.start + s.length] for s, m in zip(segments, m_of, strict=True)]
+
+    def _validate(self, requests: list[VerifyRequest]) -> None:
+        if not requests:
+            raise ValueError("verify_batch needs at least one request")
+        seen = set()
+        for req in requests:
+            self._slot(req.session_id)  # raises for an unknown session
+            if req.session_id in seen:
+                raise ValueError(f"session {req.session_id!r} appears twice in one batch")
+            seen.add(req.session_id)
+            if not req.committed_ids:
+                raise ValueError(f"session {req.session_id!r}: committed_ids is empty")
+            tree = req.tree
+            validate_tree(tree.token_ids, tree.parent_idx, self.vocab_size)
+            if int(tree.token_ids[0]) != req.committed_ids[-1]:
+                raise ValueError(
+                    f"session {req.session_id!r}: the tree's root {int(tree.token_ids[0])} is not the last "
+                    f"committed token {req.committed_ids[-1]}"
+                )
+            bad = [t for t in req.committed_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"session {req.session_id!r}: committed token {bad[0]} outside the vocabulary")
+            if len(req.committed_ids) - 1 + tree.num_nodes > self.max_len:  # cached + chain + tree
+                raise ValueError(
+                    f"session {req.session_id!r}: {len(req.committed_ids) - 1} committed + {tree.num_nodes} "
+                    f"tree tokens exceed max_len={self.max_len}"
+                )
+
+    @torch.inference_mode()  # the pool buffers are inference tensors
+    def _commit(self, seg: _Segment, req: VerifyRequest, verdict: Verdict) -> None:
+        """Keep chain + root + accepted nodes, contiguous after the old cached prefix."""
+        m = seg.length - req.tree.num_nodes
+        keep = list(range(m + 1)) + [m + n for n in verdict.accepted_idx]  # offsets inside the segment
+        if keep != list(range(len(keep))):
+            self.cache.move(seg.slot, torch.tensor(keep, device=self.model.device) + seg.cached, seg.cached)
+        self._cached[seg.slot] = req.committed_ids + verdict.accepted_ids
