@@ -175,6 +175,12 @@ class GenerationResult:
     stats: GenerationStats
 
 
+def session_generators(seed: int) -> tuple[torch.Generator, torch.Generator]:
+    """The drafter's and the verifier's RNGs for a session seed. Two streams, so that a distributed
+    run (drafter and verifier in different processes) reproduces the in-process run bit for bit."""
+    return torch.Generator().manual_seed(2 * seed), torch.Generator().manual_seed(2 * seed + 1)
+
+
 class SpeculativeGenerator:
     """Drives a draft model and a target model in one process.
 
@@ -201,7 +207,7 @@ class SpeculativeGenerator:
             raise ValueError("the prompt needs at least one token")
         if method is not None and self.drafter is None:
             raise ValueError(f"method {method.name} needs a draft model")
-        generator = torch.Generator().manual_seed(seed)
+        draft_gen, verify_gen = session_generators(seed)
         runners = [self.verifier.runner] + ([self.drafter.runner] if self.drafter else [])
         for runner in runners:
             runner.reset()
@@ -210,10 +216,10 @@ class SpeculativeGenerator:
         while len(committed) - start < max_new_tokens:
             if method is None:
                 t = time.perf_counter()
-                new = [self.verifier.step_autoregressive(committed, params, generator)]
+                new = [self.verifier.step_autoregressive(committed, params, verify_gen)]
                 stats.verify_s += time.perf_counter() - t
             else:
-                new = self._speculative_step(committed, method, params, generator, stats)
+                new = self._speculative_step(committed, method, params, draft_gen, verify_gen, stats)
             stats.target_calls += 1
             new = new[: max_new_tokens - (len(committed) - start)]
             for i, tok in enumerate(new):
@@ -228,13 +234,19 @@ class SpeculativeGenerator:
         return GenerationResult(committed[start:], stats)
 
     def _speculative_step(
-        self, committed: list[int], method: Method, params: SamplingParams, generator: torch.Generator, stats
+        self,
+        committed: list[int],
+        method: Method,
+        params: SamplingParams,
+        draft_gen: torch.Generator,
+        verify_gen: torch.Generator,
+        stats: GenerationStats,
     ) -> list[int]:
         t = time.perf_counter()
-        tree = self.drafter.draft(committed, method, params, generator)
+        tree = self.drafter.draft(committed, method, params, draft_gen)
         stats.draft_forwards += self.drafter._proposal.num_forwards
         t_verify = time.perf_counter()
-        verdict = self.verifier.verify(committed, tree, method.rule(params.greedy), params, generator)
+        verdict = self.verifier.verify(committed, tree, method.rule(params.greedy), params, verify_gen)
         t_accept = time.perf_counter()
         self.drafter.accept(committed, verdict)
         stats.draft_s += (t_verify - t) + (time.perf_counter() - t_accept)

@@ -11,7 +11,7 @@ from rsd.acceptance import RULES
 from rsd.methods import Method
 from rsd.sampling import SamplingParams
 from rsd.tree import DraftTree
-from rsd_runtime.generator import Drafter, SpeculativeGenerator, Verifier, _forward_with_catch_up
+from rsd_runtime.generator import Drafter, SpeculativeGenerator, Verifier, _forward_with_catch_up, session_generators
 from rsd_runtime.models import load_model
 from rsd_runtime.runner import ModelRunner
 from rsd_runtime.tiny import build_tiny_pair
@@ -111,7 +111,7 @@ def test_sessions_joining_and_leaving_match_generator(pair):
     )
     engine.release("warm-up")
     keys = engine.cache.layers[0].keys
-    state: dict[str, tuple] = {}  # active session: (committed, drafter, generator)
+    state: dict[str, tuple] = {}  # active session: (committed, drafter, draft generator, verify generator)
     done: dict[str, list[int]] = {}
     waited = False
     step = 0
@@ -124,15 +124,15 @@ def test_sessions_joining_and_leaving_match_generator(pair):
             except PoolFullError:
                 waited = True
                 continue
-            state[s] = (list(prompt), Drafter(ModelRunner(draft, 128)), torch.Generator().manual_seed(seed))
+            state[s] = (list(prompt), Drafter(ModelRunner(draft, 128)), *session_generators(seed))
         reqs, before = [], {}
-        for s, (committed, drafter, gen) in state.items():
+        for s, (committed, drafter, draft_gen, verify_gen) in state.items():
             _, method, params, _, _ = jobs[s]
-            tree = drafter.draft(committed, method, params, gen)
-            reqs.append(VerifyRequest(s, committed, tree, method.rule(params.greedy), params, gen))
+            tree = drafter.draft(committed, method, params, draft_gen)
+            reqs.append(VerifyRequest(s, committed, tree, method.rule(params.greedy), params, verify_gen))
             before[s] = list(committed)
         for req, verdict in zip(reqs, engine.verify_batch(reqs), strict=True):
-            committed, drafter, _ = state[req.session_id]
+            committed, drafter, *_ = state[req.session_id]
             drafter.accept(before[req.session_id], verdict)
             prompt_len = len(jobs[req.session_id][0])
             committed += verdict.token_ids[: new_tokens - (len(committed) - prompt_len)]

@@ -1,0 +1,123 @@
+"""What every rsd gRPC service shares: its config (a frozen dataclass whose defaults are overridden
+by RSD_<SERVICE>_<FIELD> environment variables, then by --field flags), a grpc.aio server with
+explicit message limits, health and reflection, and a graceful drain on SIGTERM / SIGINT.
+
+    config = load_config(VerifierConfig, "verifier", argv)          # RSD_VERIFIER_PORT=7001 or --port 7001
+    server, port, health = await start_server([(add_VerifierServicer_to_server, servicer)],
+                                              ["rsd.v1.Verifier"], config.host, config.port)
+    await serve_until_signal(server, health, grace_s=config.drain_s, on_drain=servicer.drain)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import os
+import signal
+import types
+import typing
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from rsd_wire import GRPC_OPTIONS
+
+T = TypeVar("T")
+
+
+def _field_type(cls: type, field: dataclasses.Field) -> type:
+    hint = typing.get_type_hints(cls)[field.name]
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:  # X | None -> X
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
+
+
+def _parse(kind: type, text: str, name: str) -> Any:
+    try:
+        if kind is bool:
+            if text.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                raise ValueError(text)
+            return text.lower() in ("1", "true", "yes")
+        return kind(text)
+    except ValueError:
+        raise ValueError(f"{name}: cannot read {text!r} as {kind.__name__}") from None
+
+
+def load_config(cls: type[T], service: str, argv: Sequence[str] | None = None, env=os.environ) -> T:
+    """An instance of the frozen dataclass `cls`: defaults < RSD_<SERVICE>_<FIELD> env < --field flags."""
+    values: dict[str, Any] = {}
+    parser = argparse.ArgumentParser(prog=f"rsd-{service}", description=(cls.__doc__ or "").split("\n")[0])
+    for field in dataclasses.fields(cls):
+        kind, env_name = _field_type(cls, field), f"RSD_{service.upper()}_{field.name.upper()}"
+        if env_name in env:
+            values[field.name] = _parse(kind, env[env_name], env_name)
+        flag = "--" + field.name.replace("_", "-")
+        parser.add_argument(flag, dest=field.name, default=None, help=f"env {env_name}")
+    args = parser.parse_args(list(argv) if argv is not None else [])
+    for field in dataclasses.fields(cls):
+        text = getattr(args, field.name)
+        if text is not None:
+            values[field.name] = _parse(_field_type(cls, field), text, "--" + field.name.replace("_", "-"))
+    return cls(**values)
+
+
+async def start_server(
+    servicers: Sequence[tuple[Callable[[Any, grpc.aio.Server], None], Any]],
+    service_names: Sequence[str],
+    host: str,
+    port: int,
+) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """Start a grpc.aio server with the servicers, health (SERVING) and reflection; port 0 picks one."""
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    for add, servicer in servicers:
+        add(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
+    reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    await server.start()
+    for name in ["", *service_names]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound, health_servicer
+
+
+async def serve_until_signal(
+    server: grpc.aio.Server,
+    health_servicer: health.aio.HealthServicer,
+    grace_s: float = 10.0,
+    on_drain: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """Run until SIGTERM/SIGINT, then: report NOT_SERVING, let `on_drain` finish work, stop with grace."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await health_servicer.enter_graceful_shutdown()
+    if on_drain is not None:
+        await on_drain()
+    await server.stop(grace_s)
+
+
+async def wait_healthy(address: str, service: str = "", timeout_s: float = 60.0) -> None:
+    """Poll a server's health until SERVING (used by the launcher and tests)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    async with grpc.aio.insecure_channel(address, options=GRPC_OPTIONS) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"{address} not healthy after {timeout_s} s")
+            await asyncio.sleep(0.2)
