@@ -1,2 +1,8 @@
-"""Drafter service (issue 3): holds the draft model and runs each session's decode loop, streaming
-RSD trees to a verifier. Its engine is rsd_runtime.generator.Drafter; the gRPC shell is not built yet."""
+"""Drafter service: holds the draft model and runs each session's decode loop, streaming draft trees
+to a verifier and the committed tokens back to the gateway.
+
+    config     DrafterConfig: every setting and its default (RSD_DRAFTER_* env, --flags)
+    engine     DrafterEngine: the session loop over rsd_runtime.generator.Drafter (asyncio + torch)
+    servicer   rsd.v1.Drafter: RunRequest validation, RunEvents, status codes
+    server     create_server() -> (server, port, handle); main(): python -m drafter_service
+"""

@@ -1,10 +1,13 @@
 """`rsd` command line.
 
     rsd generate [--tiny | --draft DIR --target DIR] --method rsd_s --shape 3x4 --prompt "def f(x):"
+    rsd generate --server 127.0.0.1:7000 --prompt "def f(x):"   # through a running gateway
+    rsd cluster [--tiny] [--keep-running]   # start redis, verifier, drafter, gateway as processes
     rsd provision                       # fetch, hash-check and convert the real Qwen2.5-Coder pair
 
 Without --draft/--target, `generate` uses the real pair (provisioned on first use, then cached);
---tiny builds seeded tiny random models instead, for a smoke run in seconds.
+--tiny builds seeded tiny random models instead, for a smoke run in seconds. With --server the
+models are the cluster's; the flags that choose or place models do not apply.
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--draft-top-p", type=float, default=1.0)
     p.add_argument("--max-len", type=int, default=2048, help="KV cache capacity per model, in tokens")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--server", metavar="HOST:PORT", help="generate through the gateway at HOST:PORT")
+    p.add_argument("--session-id", default="", help="with --server: continue this session with the prompt as its turn")
+    p.add_argument("--stop", action="append", default=[], help="with --server: a stop sequence (repeatable)")
 
 
 DEFAULT_SHAPES = {"sd": "4", "specinfer": "2,2,1", "spectr": "3x4", "rsd_c": "2,2,1", "rsd_s": "3x4"}
@@ -62,7 +68,48 @@ def _model_dirs(args) -> tuple[Path, Path]:
     return paths["draft"], paths["target"]
 
 
+def generate_remote(args) -> int:
+    """Stream a generation from a gateway; stats to stderr."""
+    import time
+
+    import grpc
+
+    from rsd_runtime.client import RsdClient
+    from rsd_runtime.cluster import print_stats
+
+    if args.method == "ar":
+        raise SystemExit("error: the gateway serves speculative methods only (not ar)")
+    with RsdClient(args.server) as client:
+        gen = client.generate(
+            args.prompt,
+            session_id=args.session_id,
+            method=args.method,
+            shape=args.shape,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            max_new_tokens=args.max_new_tokens,
+            stop=args.stop,
+            seed=args.seed,
+        )
+        t0 = time.perf_counter()
+        try:
+            if not args.session_id:
+                sys.stdout.write(args.prompt)
+            for delta in gen:
+                sys.stdout.write(delta.text)
+                sys.stdout.flush()
+        except grpc.RpcError as e:
+            print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+        sys.stdout.write("\n")
+        print_stats(gen, time.perf_counter() - t0)
+    return 0
+
+
 def generate(args) -> int:
+    if args.server:
+        return generate_remote(args)
     import torch
     from transformers.utils import logging as hf_logging
 
@@ -111,7 +158,14 @@ def main(argv: list[str] | None = None) -> int:
     _add_generate(sub)
     prov = sub.add_parser("provision", help="fetch, verify and convert the real Qwen2.5-Coder pair")
     prov.add_argument("--cache-dir", type=Path, default=None)
+    sub.add_parser(
+        "cluster", add_help=False, help="start redis, verifier, drafter and gateway as processes (rsd cluster -h)"
+    )
     args, rest = ap.parse_known_args(argv)
+    if args.command == "cluster":
+        from rsd_runtime.cluster import main as cluster_main
+
+        return cluster_main(rest)
     if args.command == "provision":
         from rsd_runtime.provision import main as provision_main
 

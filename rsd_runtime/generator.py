@@ -107,6 +107,11 @@ class Drafter:
         _commit_path(self.runner, committed_before, self._proposal.tentative_of, verdict)
         self._proposal = None
 
+    @property
+    def num_forwards(self) -> int:
+        """Draft-model forwards of the tree being verified."""
+        return self._proposal.num_forwards if self._proposal else 0
+
 
 class Verifier:
     """The target model of one session: one forward over a tree, then the rule."""
@@ -244,7 +249,7 @@ class SpeculativeGenerator:
     ) -> list[int]:
         t = time.perf_counter()
         tree = self.drafter.draft(committed, method, params, draft_gen)
-        stats.draft_forwards += self.drafter._proposal.num_forwards
+        stats.draft_forwards += self.drafter.num_forwards
         t_verify = time.perf_counter()
         verdict = self.verifier.verify(committed, tree, method.rule(params.greedy), params, verify_gen)
         t_accept = time.perf_counter()

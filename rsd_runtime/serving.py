@@ -13,8 +13,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import logging
 import os
+import re
 import signal
+import socket
 import types
 import typing
 from collections.abc import Awaitable, Callable, Sequence
@@ -121,3 +124,54 @@ async def wait_healthy(address: str, service: str = "", timeout_s: float = 60.0)
             if asyncio.get_running_loop().time() > deadline:
                 raise TimeoutError(f"{address} not healthy after {timeout_s} s")
             await asyncio.sleep(0.2)
+
+
+class Heartbeat:
+    """Keeps a service registered in a registry (gateway.store's register_service /
+    unregister_service) while it runs: registers now, refreshes every `every_s`, and the entry
+    expires `ttl_s` after the last refresh, so a crashed service disappears by itself.
+
+        heartbeat = Heartbeat(store, lambda: ServiceInfo("verifier", id, address, capacity, load), 2.0, 6.0)
+        await heartbeat.start()        # raises if the registry is unreachable
+        ...
+        await heartbeat.stop(unregister=True)
+    """
+
+    def __init__(self, store: Any, info: Callable[[], Any], every_s: float, ttl_s: float):
+        if not 0 < every_s < ttl_s:
+            raise ValueError(f"need 0 < every_s < ttl_s, got {every_s} and {ttl_s}")
+        self.store, self.info, self.every_s, self.ttl_s = store, info, every_s, ttl_s
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self._beat()
+        self._task = asyncio.create_task(self._run(), name="heartbeat")
+
+    async def stop(self, unregister: bool = True) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        if unregister:
+            info = self.info()
+            try:
+                await asyncio.to_thread(self.store.unregister_service, info.role, info.service_id)
+            except Exception as e:  # the entry expires anyway
+                logging.getLogger(__name__).warning("unregister %s failed: %s", info.service_id, e)
+
+    async def _beat(self) -> None:
+        await asyncio.to_thread(self.store.register_service, self.info(), self.ttl_s)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.every_s)
+            try:
+                await self._beat()
+            except Exception as e:  # the registry is away for a moment: keep serving, retry next beat
+                logging.getLogger(__name__).warning("heartbeat of %s failed: %s", self.info().service_id, e)
+
+
+def default_service_id(role: str, host: str, port: int) -> str:
+    """'<role>-<host>-<port>' in the registry's id alphabet; a wildcard host becomes the hostname."""
+    name = host if host not in ("", "0.0.0.0", "::", "[::]") else socket.gethostname()
+    return re.sub(r"[^A-Za-z0-9._-]", "-", f"{role}-{name}-{port}")[:128]

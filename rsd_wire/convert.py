@@ -272,3 +272,24 @@ def method_to_proto(method: Method) -> common_pb2.Method:
 
 def method_from_proto(msg: common_pb2.Method) -> Method:
     return Method.parse(msg.name, msg.shape)
+
+
+def generation_params_from_proto(msg: common_pb2.GenerationParams) -> tuple[SamplingParams, Method, int]:
+    """What the drafter and the verifier need of a run's params: (sampling, method, seed).
+
+    Both require method and seed (the gateway sets the seed when the client does not);
+    ValueError names the field.
+    """
+    try:
+        sampling = sampling_params_from_proto(msg.sampling)
+    except ValueError as e:
+        raise ValueError(f"params.sampling: {e}") from None
+    if not msg.HasField("method"):
+        raise ValueError("params.method is required")
+    try:
+        method = method_from_proto(msg.method)
+    except ValueError as e:
+        raise ValueError(f"params.method: {e}") from None
+    if not msg.HasField("seed"):
+        raise ValueError("params.seed is required (the gateway picks one when the client does not)")
+    return sampling, method, msg.seed

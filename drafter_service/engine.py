@@ -1,0 +1,312 @@
+"""The drafter's session loop: draft a tree, send it to the verifier, apply the verdict, repeat.
+
+    engine = DrafterEngine(draft_model, config)
+    async for step in engine.run(job):          # job: a validated RunRequest (RunJob)
+        ...                                      # step.token_ids committed at step.start_position
+
+One run of a session at one epoch:
+    1. take the session's ModelRunner from the pool (its draft cache is kept between runs of the
+       session and cropped to the longest prefix of the committed tokens it still matches)
+    2. Attach the session to the verifier (which crops or prefills its own cache), open the Verify stream
+    3. loop: Drafter.draft (a worker thread), send the DraftTree, read the Verdict, Drafter.accept,
+       emit the committed tokens (cut at max_new_tokens and after an EOS id), until the budget is
+       spent, an EOS is committed, or the run is cancelled
+The draft RNG is session_generators(seed)[0] and the verifier's is [1], so a run equals the
+in-process SpeculativeGenerator.generate with the same seed, token for token.
+
+Overlap left for later: while the verifier works on tree t, the drafter could already draft the
+likely continuations of tree t (e.g. from its most probable leaf) and keep the one the verdict
+picks; today drafting and verifying alternate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from drafter_service.config import DrafterConfig
+from rsd.acceptance import Verdict
+from rsd.methods import Method
+from rsd.sampling import SamplingParams
+from rsd.tree import DraftTree, path_to
+from rsd_runtime.generator import Drafter, session_generators
+from rsd_runtime.runner import ModelRunner
+from rsd_wire import GRPC_OPTIONS, common_pb2, verifier_pb2, verifier_pb2_grpc
+from rsd_wire.convert import draft_tree_to_proto, verdict_from_proto
+
+
+class DraftPoolFullError(RuntimeError):
+    """Every draft runner is busy with a running session."""
+
+
+class RunConflictError(RuntimeError):
+    """A run of the session at the same or a newer epoch is in progress."""
+
+
+class VerifierFailedError(RuntimeError):
+    """The verifier refused or broke the session's stream; `code` is what it answered (UNAVAILABLE
+    when it could not be reached or sent something malformed)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+@dataclass(frozen=True)
+class RunJob:
+    """A validated RunRequest."""
+
+    session_id: str
+    epoch: int
+    committed_ids: list[int]
+    params: common_pb2.GenerationParams  # forwarded to the verifier's Attach as is
+    sampling: SamplingParams
+    method: Method
+    seed: int
+    max_new_tokens: int
+    eos_token_ids: frozenset[int]
+    verifier_address: str
+    verifier_id: str = ""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One step's committed tokens (or a final empty one) and its statistics."""
+
+    start_position: int
+    token_ids: list[int]
+    stats: common_pb2.StepStats | None
+    finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
+
+
+@dataclass
+class _Slot:
+    runner: ModelRunner
+    cached_ids: list[int] = field(default_factory=list)  # tokens whose K/V the runner holds
+    busy: bool = False
+    drafting: asyncio.Future | None = None  # the worker thread drafting on the runner, if any
+
+
+@dataclass
+class _Running:
+    epoch: int
+    cancel: asyncio.Event
+    done: asyncio.Event
+
+
+class DrafterEngine:
+    def __init__(self, model: torch.nn.Module, config: DrafterConfig):
+        self.model, self.config = model, config
+        self.vocab_size: int = model.config.get_text_config().vocab_size
+        self._slots: OrderedDict[str, _Slot] = OrderedDict()  # session -> runner, least recently used first
+        self._running: dict[str, _Running] = {}
+        self.last_attach: dict[str, verifier_pb2.AttachResponse] = {}  # session -> its latest AttachResponse
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def cancel(self, session_id: str, epoch: int) -> bool:
+        run = self._running.get(session_id)
+        if run is None or run.epoch != epoch:
+            return False
+        run.cancel.set()
+        return True
+
+    async def run(self, job: RunJob) -> AsyncIterator[StepResult]:
+        """The steps of one run; the last one carries the finish reason."""
+        running = await self._begin(job)
+        slot = None
+        try:
+            slot = self._take_slot(job.session_id, job.committed_ids)
+            async for step in self._loop(job, slot, running.cancel):
+                yield step
+        finally:
+            if slot is not None:
+                if slot.drafting is not None and not slot.drafting.done():  # cancelled mid-draft: a thread
+                    await asyncio.wait({slot.drafting})  # still uses the runner; let it finish first
+                if slot.runner.num_tentative:  # a tree drafted but never answered (cancel, failure)
+                    slot.runner.commit([])
+                slot.busy = False
+            running.done.set()
+            if self._running.get(job.session_id) is running:
+                del self._running[job.session_id]
+
+    async def _begin(self, job: RunJob) -> _Running:
+        """Register the run; a run of an older epoch of the session is cancelled and awaited."""
+        old = self._running.get(job.session_id)
+        if old is not None:
+            if old.epoch >= job.epoch:
+                raise RunConflictError(f"session {job.session_id!r}: a run at epoch {old.epoch} is in progress")
+            old.cancel.set()
+            await old.done.wait()
+            if job.session_id in self._running:  # a third run got in first
+                raise RunConflictError(f"session {job.session_id!r}: another run started meanwhile")
+        running = _Running(job.epoch, asyncio.Event(), asyncio.Event())
+        self._running[job.session_id] = running
+        return running
+
+    def _take_slot(self, session_id: str, committed: list[int]) -> _Slot:
+        """The session's runner, cropped to what still matches `committed`, else a free or evicted one."""
+        slot = self._slots.pop(session_id, None)
+        if slot is None:
+            if len(self._slots) < self.config.max_sessions:
+                slot = _Slot(ModelRunner(self.model, self.config.max_len))
+            else:
+                victim = next((s for s, v in self._slots.items() if not v.busy), None)
+                if victim is None:
+                    raise DraftPoolFullError(f"all {self.config.max_sessions} draft runners are busy")
+                slot = self._slots.pop(victim)
+                self.last_attach.pop(victim, None)
+        self._slots[session_id] = slot  # most recently used
+        # The runner holds all but the last committed token (the next root); keep the common prefix.
+        keep = 0
+        for a, b in zip(slot.cached_ids, committed[:-1], strict=False):
+            if a != b:
+                break
+            keep += 1
+        if keep < slot.runner.cache_len:  # ModelRunner has no crop(); its cache and length are public
+            slot.runner.cache.truncate(keep)
+            slot.runner.cache_len = keep
+        slot.cached_ids = slot.cached_ids[:keep]
+        slot.busy = True
+        return slot
+
+    async def _loop(self, job: RunJob, slot: _Slot, cancel: asyncio.Event) -> AsyncIterator[StepResult]:
+        committed, start = list(job.committed_ids), len(job.committed_ids)
+        if job.max_new_tokens == 0:
+            yield StepResult(start, [], None, common_pb2.FINISH_REASON_LENGTH)
+            return
+        drafter = Drafter(slot.runner, self.config.proposal_top_k, self.config.proposal_top_p)
+        draft_gen, _ = session_generators(job.seed)
+        async with grpc.aio.insecure_channel(job.verifier_address, options=GRPC_OPTIONS) as channel:
+            stub = verifier_pb2_grpc.VerifierStub(channel)
+            await self._attach(stub, job)
+            call = stub.Verify()
+            try:
+                while True:
+                    if cancel.is_set():
+                        yield StepResult(len(committed), [], None, common_pb2.FINISH_REASON_CANCELLED)
+                        return
+                    t0 = time.perf_counter()
+                    draft = asyncio.to_thread(drafter.draft, committed, job.method, job.sampling, draft_gen)
+                    slot.drafting = asyncio.ensure_future(draft)
+                    tree = await asyncio.shield(slot.drafting)
+                    t1 = time.perf_counter()
+                    msg = draft_tree_to_proto(
+                        tree, session_id=job.session_id, epoch=job.epoch, root_position=len(committed) - 1
+                    )
+                    reply = await _exchange(call, msg, cancel)
+                    if reply is None:
+                        yield StepResult(len(committed), [], None, common_pb2.FINISH_REASON_CANCELLED)
+                        return
+                    t2 = time.perf_counter()
+                    verdict = _check_verdict(reply, msg, tree)
+                    drafter.accept(committed, verdict)
+                    slot.cached_ids = (committed + verdict.accepted_ids)[: slot.runner.cache_len]
+                    new, finish = _cut(verdict.token_ids, job.max_new_tokens - (len(committed) - start), job)
+                    stats = common_pb2.StepStats(
+                        num_draft_tokens=tree.num_nodes - 1,
+                        num_accepted_tokens=len(verdict.accepted_ids),
+                        is_bonus=verdict.is_bonus,
+                        draft_ms=(t1 - t0) * 1000,
+                        round_trip_ms=(t2 - t1) * 1000,
+                        verifier=reply.stats,
+                    )
+                    yield StepResult(len(committed), new, stats, finish)
+                    committed += new
+                    if finish:
+                        return
+            finally:
+                call.cancel()
+
+    async def _attach(self, stub: verifier_pb2_grpc.VerifierStub, job: RunJob) -> None:
+        request = verifier_pb2.AttachRequest(
+            session_id=job.session_id, epoch=job.epoch, committed_token_ids=job.committed_ids, params=job.params
+        )
+        try:
+            reply = await stub.Attach(request, timeout=self.config.attach_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise _verifier_error(e.code(), e.details(), "Attach") from None
+        if reply.vocab_size != self.vocab_size:
+            raise ValueError(f"the verifier's vocabulary ({reply.vocab_size}) is not the draft's ({self.vocab_size})")
+        nodes = job.method.max_draft_tokens + 1
+        if nodes > reply.max_tree_nodes:
+            raise ValueError(
+                f"method {job.method.name} drafts up to {nodes} nodes; the verifier takes {reply.max_tree_nodes}"
+            )
+        self.last_attach[job.session_id] = reply
+
+
+async def _exchange(
+    call: grpc.aio.StreamStreamCall, msg: verifier_pb2.DraftTree, cancel: asyncio.Event
+) -> verifier_pb2.Verdict | None:
+    """Send one tree and read its verdict; None when the run was cancelled while waiting."""
+    try:
+        await call.write(msg)
+        read = asyncio.ensure_future(call.read())
+        stop = asyncio.ensure_future(cancel.wait())
+        try:
+            await asyncio.wait({read, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if not read.done():
+            read.cancel()
+            return None
+        reply = read.result()
+    except grpc.aio.AioRpcError as e:
+        raise _verifier_error(e.code(), e.details(), "Verify") from None
+    except asyncio.InvalidStateError:  # a write to a stream that already ended (the verifier went away)
+        reply = grpc.aio.EOF
+    if reply is grpc.aio.EOF:
+        code, details = await call.code(), await call.details()
+        if code == grpc.StatusCode.OK:
+            code, details = grpc.StatusCode.UNAVAILABLE, "the verifier ended the stream before answering"
+        raise _verifier_error(code, details, "Verify")
+    return reply
+
+
+def _check_verdict(reply: verifier_pb2.Verdict, sent: verifier_pb2.DraftTree, tree: DraftTree) -> Verdict:
+    """The verdict must answer this step and name a root-to-node path of this tree."""
+    try:
+        verdict = verdict_from_proto(reply)
+    except ValueError as e:
+        raise VerifierFailedError(grpc.StatusCode.UNAVAILABLE, f"malformed verdict: {e}") from None
+    n = tree.num_nodes
+    path = path_to(tree.parent_idx, verdict.accepted_idx[-1]) if verdict.accepted_idx else []
+    ok = (
+        (reply.session_id, reply.epoch, reply.root_position) == (sent.session_id, sent.epoch, sent.root_position)
+        and all(i < n for i in verdict.accepted_idx)
+        and path == verdict.accepted_idx
+        and tree.token_ids[path].tolist() == verdict.accepted_ids
+    )
+    if not ok:
+        raise VerifierFailedError(grpc.StatusCode.UNAVAILABLE, "verdict does not match the tree that was sent")
+    return verdict
+
+
+def _cut(token_ids: list[int], budget: int, job: RunJob) -> tuple[list[int], int]:
+    """Cut a step's tokens at the run's budget and after the first EOS; -> (tokens, finish reason)."""
+    new = token_ids[:budget]
+    for i, tok in enumerate(new):
+        if tok in job.eos_token_ids:
+            return new[: i + 1], common_pb2.FINISH_REASON_EOS
+    finish = common_pb2.FINISH_REASON_LENGTH if len(new) == budget else common_pb2.FINISH_REASON_UNSPECIFIED
+    return new, finish
+
+
+# Answers of the verifier that say the request itself was wrong: passed on as they are. Anything
+# else (unreachable, restarted, overloaded, internal error) is UNAVAILABLE: the gateway then picks
+# a live verifier and starts a new epoch (drafter.proto).
+_PASSED_ON = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
+
+
+def _verifier_error(code: grpc.StatusCode, details: str, rpc: str) -> VerifierFailedError:
+    passed_on = code if code in _PASSED_ON else grpc.StatusCode.UNAVAILABLE
+    return VerifierFailedError(passed_on, f"verifier {rpc} failed: {code.name}: {details}")

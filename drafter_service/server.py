@@ -1,0 +1,104 @@
+"""Bootstrap of the drafter service: load the draft model, start the gRPC server, register in
+Redis with a heartbeat, drain on SIGTERM (running sessions get drain_s to finish).
+
+    python -m drafter_service --model /path/to/draft --port 7002 --redis-url redis://127.0.0.1:6379/0
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+import redis
+import torch
+from grpc_health.v1 import health
+
+from drafter_service.config import DrafterConfig
+from drafter_service.engine import DrafterEngine
+from drafter_service.servicer import DrafterServicer
+from gateway.store import RedisSessionStore, ServiceInfo
+from rsd_runtime.models import load_model
+from rsd_runtime.serving import Heartbeat, default_service_id, load_config, serve_until_signal, start_server
+from rsd_wire import drafter_pb2_grpc
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = "rsd.v1.Drafter"
+
+
+@dataclass
+class DrafterHandle:
+    """What create_server started, for serve_until_signal, tests and the launcher."""
+
+    config: DrafterConfig
+    drafter_id: str
+    address: str
+    engine: DrafterEngine
+    servicer: DrafterServicer
+    health: health.aio.HealthServicer
+    heartbeat: Heartbeat | None = None
+
+    def service_info(self) -> ServiceInfo:
+        capacity, load = self.config.max_sessions, self.engine.num_running
+        return ServiceInfo("drafter", self.drafter_id, self.address, capacity, load)
+
+    async def drain(self) -> None:
+        """Leave the registry; running sessions finish during server.stop."""
+        if self.heartbeat is not None:
+            await self.heartbeat.stop(unregister=True)
+            self.heartbeat.store.client.close()
+            self.heartbeat = None
+
+    async def close(self, server: grpc.aio.Server, grace_s: float | None = None) -> None:
+        await self.drain()
+        await server.stop(grace_s)
+
+
+async def create_server(
+    config: DrafterConfig, model: torch.nn.Module | None = None
+) -> tuple[grpc.aio.Server, int, DrafterHandle]:
+    """Start the drafter on config.host:config.port (0 picks a port). A `model` already loaded
+    replaces config.model (tests share one model between servers)."""
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    if model is None:
+        if not config.model:
+            raise ValueError("--model is required: a local folder holding the draft model")
+        model = await asyncio.to_thread(load_model, config.model, config.device, config.dtype)
+    engine = DrafterEngine(model, config)
+    servicer = DrafterServicer(engine)
+    server, port, health_servicer = await start_server(
+        [(drafter_pb2_grpc.add_DrafterServicer_to_server, servicer)], [SERVICE_NAME], config.host, config.port
+    )
+    drafter_id = config.drafter_id or default_service_id("drafter", config.host, port)
+    address = config.advertise_address or f"{config.host}:{port}"
+    handle = DrafterHandle(config, drafter_id, address, engine, servicer, health_servicer)
+    if config.redis_url:
+        store = RedisSessionStore(redis.Redis.from_url(config.redis_url), namespace=config.redis_namespace)
+        handle.heartbeat = Heartbeat(store, handle.service_info, config.heartbeat_s, config.registration_ttl_s)
+        try:
+            await handle.heartbeat.start()
+        except Exception:
+            handle.heartbeat = None
+            store.client.close()
+            await server.stop(0)
+            raise
+    log.info("drafter %s on %s: %d sessions, max_len %d", drafter_id, address, config.max_sessions, config.max_len)
+    return server, port, handle
+
+
+async def serve(config: DrafterConfig) -> None:
+    server, _, handle = await create_server(config)
+    try:
+        await serve_until_signal(server, handle.health, grace_s=config.drain_s, on_drain=handle.drain)
+    finally:
+        await handle.close(server, 0)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = load_config(DrafterConfig, "drafter", sys.argv[1:] if argv is None else argv)
+    asyncio.run(serve(config))

@@ -1,0 +1,103 @@
+"""The Drafter gRPC servicer: validates a RunRequest, streams the engine's steps as RunEvents,
+maps errors to status codes.
+
+    bad request (or a verifier that does not fit the draft model)  INVALID_ARGUMENT
+    the verifier refused the run's epoch                           FAILED_PRECONDITION
+    verifier unreachable, stream broken, verifier overloaded       UNAVAILABLE (with the reason)
+    a run of the session at the same or a newer epoch is running   FAILED_PRECONDITION
+    every draft runner busy                                        RESOURCE_EXHAUSTED
+    anything else                                                  INTERNAL, logged once with the session id
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import grpc
+
+from drafter_service.engine import DrafterEngine, DraftPoolFullError, RunConflictError, RunJob, VerifierFailedError
+from rsd_wire import drafter_pb2, drafter_pb2_grpc
+from rsd_wire.convert import generation_params_from_proto
+
+log = logging.getLogger(__name__)
+_SESSION_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")  # the registry's id alphabet (gateway/store.py)
+
+
+class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
+    def __init__(self, engine: DrafterEngine):
+        self.engine = engine
+
+    async def Run(self, request: drafter_pb2.RunRequest, context):
+        try:
+            job = self.validate(request)
+            async for step in self.engine.run(job):
+                yield drafter_pb2.RunEvent(
+                    session_id=job.session_id,
+                    epoch=job.epoch,
+                    start_position=step.start_position,
+                    token_ids=step.token_ids,
+                    stats=step.stats,
+                    finish_reason=step.finish_reason,
+                )
+        except Exception as e:
+            code, details = _status_of(e)
+            if code == grpc.StatusCode.INTERNAL:
+                log.error("session %s: internal error", request.session_id or "?", exc_info=e)
+            await context.abort(code, details)
+
+    async def Cancel(self, request: drafter_pb2.CancelRunRequest, context) -> drafter_pb2.CancelRunResponse:
+        return drafter_pb2.CancelRunResponse(was_running=self.engine.cancel(request.session_id, request.epoch))
+
+    def validate(self, request: drafter_pb2.RunRequest) -> RunJob:
+        """RunRequest -> RunJob; ValueError naming the field when the request is malformed."""
+        if not _SESSION_ID.fullmatch(request.session_id):
+            raise ValueError(f"session_id must be 1-128 characters of [A-Za-z0-9._-], got {request.session_id!r}")
+        committed = list(request.committed_token_ids)
+        if not committed:
+            raise ValueError("committed_token_ids must not be empty")
+        vocab = self.engine.vocab_size
+        bad = next((t for t in [*committed, *request.eos_token_ids] if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the draft vocabulary [0, {vocab})")
+        params = request.params
+        sampling, method, seed = generation_params_from_proto(params)
+        config = self.engine.config
+        nodes = method.max_draft_tokens + 1
+        if nodes > config.max_tree_nodes:
+            shape = params.method.shape
+            raise ValueError(f"method {method.name} {shape} drafts up to {nodes} nodes; limit {config.max_tree_nodes}")
+        # The draft cache holds the committed tokens but the last, the new ones but the last, and a tree.
+        need = len(committed) + request.max_new_tokens + nodes
+        if need > config.max_len:
+            raise ValueError(
+                f"{len(committed)} committed + {request.max_new_tokens} new tokens + a tree of {nodes} nodes "
+                f"exceed the drafter's max_len={config.max_len}"
+            )
+        if not request.verifier_address:
+            raise ValueError("verifier_address is required")
+        return RunJob(
+            session_id=request.session_id,
+            epoch=request.epoch,
+            committed_ids=committed,
+            params=params,
+            sampling=sampling,
+            method=method,
+            seed=seed,
+            max_new_tokens=request.max_new_tokens,
+            eos_token_ids=frozenset(request.eos_token_ids),
+            verifier_address=request.verifier_address,
+            verifier_id=request.verifier_id,
+        )
+
+
+def _status_of(error: Exception) -> tuple[grpc.StatusCode, str]:
+    if isinstance(error, VerifierFailedError):
+        return error.code, error.details
+    if isinstance(error, RunConflictError):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(error)
+    if isinstance(error, DraftPoolFullError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
+    if isinstance(error, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(error)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}"

@@ -1,0 +1,92 @@
+"""Bootstrap of the gateway: config -> store, tokenizer, engine -> a grpc.aio server.
+
+    server, port, engine = await create_server(config)   # port 0 picks one (tests)
+    python -m gateway --tokenizer DIR --redis-url redis://127.0.0.1:6379/0 \\
+        --drafters d0=127.0.0.1:7002 --verifiers v0=127.0.0.1:7001
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from gateway.config import GatewayConfig
+from gateway.engine import GatewayEngine
+from gateway.servicer import GatewayServicer
+from gateway.store import MemorySessionStore, RedisSessionStore, SessionStore
+from rsd_runtime.serving import load_config, serve_until_signal, start_server
+from rsd_wire import gateway_pb2_grpc
+
+log = logging.getLogger("rsd.gateway")
+
+
+@dataclass
+class GatewayHandle:
+    engine: GatewayEngine
+    servicer: GatewayServicer
+    health: Any  # grpc_health.v1.health.aio.HealthServicer
+
+    async def close(self, server: grpc.aio.Server, grace_s: float = 1.0) -> None:
+        """Report NOT_SERVING, let running turns finish for grace_s, stop the server and the engine."""
+        await self.health.enter_graceful_shutdown()
+        await self.engine.drain(grace_s)
+        await server.stop(grace_s)
+        await self.engine.close()
+
+
+def make_store(config: GatewayConfig) -> SessionStore:
+    if config.redis_url:
+        return RedisSessionStore.from_url(config.redis_url, config.redis_namespace, config.session_ttl_s)
+    return MemorySessionStore(config.session_ttl_s)
+
+
+def load_gateway_tokenizer(config: GatewayConfig) -> Any:
+    if not config.tokenizer:
+        raise ValueError("tokenizer: give the model folder whose tokenizer the gateway uses (--tokenizer DIR)")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from rsd_runtime.models import load_tokenizer
+
+    return load_tokenizer(config.tokenizer)
+
+
+async def create_server(
+    config: GatewayConfig, store: SessionStore | None = None, tokenizer: Any = None
+) -> tuple[grpc.aio.Server, int, GatewayHandle]:
+    """Start the gateway (store and tokenizer from the config unless given); returns (server, port, handle)."""
+    store = store if store is not None else make_store(config)
+    tokenizer = tokenizer if tokenizer is not None else load_gateway_tokenizer(config)
+    engine = GatewayEngine(config, store, tokenizer)
+    servicer = GatewayServicer(engine)
+    server, port, health = await start_server(
+        [(gateway_pb2_grpc.add_GatewayServicer_to_server, servicer)], ["rsd.v1.Gateway"], config.host, config.port
+    )
+    return server, port, GatewayHandle(engine, servicer, health)
+
+
+async def serve(config: GatewayConfig) -> None:
+    server, port, handle = await create_server(config)
+    store = "redis " + config.redis_url if config.redis_url else "embedded store"
+    log.info("gateway %s serving on %s:%d (%s)", config.gateway_id, config.host, port, store)
+    print(f"gateway listening on {config.host}:{port}", flush=True)
+    await serve_until_signal(server, handle.health, grace_s=config.drain_s, on_drain=handle.servicer.drain)
+    await handle.engine.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        config = load_config(GatewayConfig, "gateway", sys.argv[1:] if argv is None else argv)
+        if not config.tokenizer:
+            raise ValueError("--tokenizer DIR is required: the model folder whose tokenizer the gateway uses")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    asyncio.run(serve(config))
+    return 0

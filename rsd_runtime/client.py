@@ -1,0 +1,140 @@
+"""A small synchronous client of the rsd gateway.
+
+    with RsdClient("127.0.0.1:7000") as client:
+        gen = client.generate("def fib(n):", method="rsd_s", shape="3x4", temperature=0.0, max_new_tokens=32)
+        for delta in gen:                       # gateway_pb2.TokenDelta, as they are committed
+            print(delta.text, end="", flush=True)
+        print(gen.finished.reason, gen.session_id)
+        more = client.generate(" # and now tests", session_id=gen.session_id)   # next turn, same session
+        client.get_session(gen.session_id).kv_location
+
+Errors come as grpc.RpcError with the gateway's status code and reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import grpc
+
+from rsd_wire import GRPC_OPTIONS, common_pb2, gateway_pb2, gateway_pb2_grpc
+
+
+class Generation:
+    """The stream of one Generate call: iterate for TokenDelta; then `finished` holds the summary."""
+
+    def __init__(self, call: grpc.Call):
+        self._call = call
+        self.session_id = ""
+        self.started: gateway_pb2.GenerationStarted | None = None
+        self.finished: gateway_pb2.GenerationFinished | None = None
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.steps: list[common_pb2.StepStats] = []
+
+    def __iter__(self) -> Iterator[gateway_pb2.TokenDelta]:
+        for event in self._call:
+            self.session_id = event.session_id
+            kind = event.WhichOneof("event")
+            if kind == "started":
+                self.started = event.started
+            elif kind == "delta":
+                self.token_ids.extend(event.delta.token_ids)
+                self.text += event.delta.text
+                if event.delta.HasField("stats"):
+                    self.steps.append(event.delta.stats)
+                yield event.delta
+            elif kind == "finished":
+                self.finished = event.finished
+
+    def wait(self) -> Generation:
+        """Consume the whole stream."""
+        for _ in self:
+            pass
+        return self
+
+    def close(self) -> None:
+        """Drop the stream (the turn keeps running on the gateway; use RsdClient.cancel to stop it)."""
+        self._call.cancel()
+
+
+class RsdClient:
+    def __init__(self, address: str, timeout_s: float | None = None):
+        self.address, self.timeout_s = address, timeout_s
+        self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
+
+    def __enter__(self) -> RsdClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        token_ids: Sequence[int] | None = None,
+        session_id: str = "",
+        method: str | None = None,
+        shape: str | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        max_new_tokens: int = 0,
+        stop: Sequence[str] = (),
+        seed: int | None = None,
+        resume_from_position: int | None = None,
+        request_id: str = "",
+    ) -> Generation:
+        """Start (no session_id), continue (session_id and input) or resume (session_id, no input).
+        Parameters left None take the gateway's defaults (new session) or the session's (continuation)."""
+        request = gateway_pb2.GenerateRequest(session_id=session_id, request_id=request_id)
+        if prompt is not None and token_ids is not None:
+            raise ValueError("give prompt or token_ids, not both")
+        if prompt is not None:
+            request.text = prompt
+        elif token_ids is not None:
+            request.token_ids.ids.extend(token_ids)
+        if resume_from_position is not None:
+            request.resume_from_position = resume_from_position
+        params = build_params(method, shape, temperature, top_k, top_p, max_new_tokens, stop, seed)
+        if params is not None:
+            request.params.CopyFrom(params)
+        return Generation(self._stub.Generate(request, timeout=self.timeout_s))
+
+    def cancel(self, session_id: str) -> gateway_pb2.CancelResponse:
+        return self._stub.Cancel(gateway_pb2.CancelRequest(session_id=session_id), timeout=self.timeout_s)
+
+    def get_session(self, session_id: str, include_token_ids: bool = False) -> gateway_pb2.Session:
+        request = gateway_pb2.GetSessionRequest(session_id=session_id, include_token_ids=include_token_ids)
+        return self._stub.GetSession(request, timeout=self.timeout_s)
+
+
+def build_params(
+    method: str | None = None,
+    shape: str | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    max_new_tokens: int = 0,
+    stop: Sequence[str] = (),
+    seed: int | None = None,
+) -> common_pb2.GenerationParams | None:
+    """GenerationParams with only the given fields present (None when nothing is given)."""
+    params = common_pb2.GenerationParams(max_new_tokens=max_new_tokens, stop_sequences=list(stop))
+    if temperature is not None or top_k is not None or top_p is not None:
+        params.sampling.top_k = top_k or 0
+        if temperature is not None:
+            params.sampling.temperature = temperature
+        if top_p is not None:
+            params.sampling.top_p = top_p
+    if method is not None or shape is not None:
+        params.method.name, params.method.shape = method or "", shape or ""
+    if seed is not None:
+        params.seed = seed
+    given = params.HasField("sampling") or params.HasField("method") or params.HasField("seed")
+    return params if given or max_new_tokens or stop else None

@@ -1,0 +1,110 @@
+"""Bootstrap of the verifier service: load the target, start the batcher and the gRPC server,
+register in Redis with a heartbeat, drain on SIGTERM.
+
+    python -m verifier_service --model /path/to/target --port 7001 --num-slots 8 --redis-url redis://127.0.0.1:6379/0
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+import redis
+import torch
+from grpc_health.v1 import health
+
+from gateway.store import RedisSessionStore, ServiceInfo
+from rsd_runtime.models import load_model
+from rsd_runtime.serving import Heartbeat, default_service_id, load_config, serve_until_signal, start_server
+from rsd_wire import verifier_pb2_grpc
+from verifier_service.batcher import Batcher
+from verifier_service.config import VerifierConfig
+from verifier_service.engine import BatchedVerifier
+from verifier_service.servicer import VerifierServicer
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = "rsd.v1.Verifier"
+
+
+@dataclass
+class VerifierHandle:
+    """What create_server started, for serve_until_signal, tests and the launcher."""
+
+    config: VerifierConfig
+    verifier_id: str
+    address: str
+    engine: BatchedVerifier
+    batcher: Batcher
+    servicer: VerifierServicer
+    health: health.aio.HealthServicer
+    heartbeat: Heartbeat | None = None
+
+    def service_info(self) -> ServiceInfo:
+        capacity, load = self.config.num_slots, self.servicer.num_sessions
+        return ServiceInfo("verifier", self.verifier_id, self.address, capacity, load)
+
+    async def drain(self) -> None:
+        """Leave the registry (new sessions go elsewhere); in-flight streams finish during server.stop."""
+        if self.heartbeat is not None:
+            await self.heartbeat.stop(unregister=True)
+            self.heartbeat.store.client.close()
+            self.heartbeat = None
+
+    async def close(self, server: grpc.aio.Server, grace_s: float | None = None) -> None:
+        """Stop everything create_server started."""
+        await self.drain()
+        await server.stop(grace_s)
+        await self.batcher.stop()
+
+
+async def create_server(
+    config: VerifierConfig, model: torch.nn.Module | None = None
+) -> tuple[grpc.aio.Server, int, VerifierHandle]:
+    """Start the verifier on config.host:config.port (0 picks a port). A `model` already loaded
+    replaces config.model (tests share one model between servers)."""
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    if model is None:
+        if not config.model:
+            raise ValueError("--model is required: a local folder holding the target model")
+        model = await asyncio.to_thread(load_model, config.model, config.device, config.dtype)
+    engine = BatchedVerifier(model, config.num_slots, config.max_len)
+    batcher = Batcher(engine, config.max_batch_nodes, config.batch_wait_ms, config.batching)
+    servicer = VerifierServicer(engine, batcher, config.verifier_id, config.max_tree_nodes)
+    server, port, health_servicer = await start_server(
+        [(verifier_pb2_grpc.add_VerifierServicer_to_server, servicer)], [SERVICE_NAME], config.host, config.port
+    )
+    servicer.verifier_id = config.verifier_id or default_service_id("verifier", config.host, port)
+    address = config.advertise_address or f"{config.host}:{port}"
+    batcher.start()
+    handle = VerifierHandle(config, servicer.verifier_id, address, engine, batcher, servicer, health_servicer)
+    if config.redis_url:
+        store = RedisSessionStore(redis.Redis.from_url(config.redis_url), namespace=config.redis_namespace)
+        handle.heartbeat = Heartbeat(store, handle.service_info, config.heartbeat_s, config.registration_ttl_s)
+        try:
+            await handle.heartbeat.start()  # fail fast on a wrong URL
+        except Exception:
+            handle.heartbeat = None
+            store.client.close()
+            await handle.close(server, 0)
+            raise
+    log.info("verifier %s on %s: %d slots, max_len %d", handle.verifier_id, address, config.num_slots, config.max_len)
+    return server, port, handle
+
+
+async def serve(config: VerifierConfig) -> None:
+    server, _, handle = await create_server(config)
+    try:
+        await serve_until_signal(server, handle.health, grace_s=config.drain_s, on_drain=handle.drain)
+    finally:
+        await handle.close(server, 0)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = load_config(VerifierConfig, "verifier", sys.argv[1:] if argv is None else argv)
+    asyncio.run(serve(config))

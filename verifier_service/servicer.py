@@ -1,0 +1,267 @@
+"""The Verifier gRPC servicer: validates and converts, keeps per-session state, maps errors.
+
+Per session it keeps what verifier.proto asks the verifier to know: the attached epoch, the
+committed sequence (set by Attach, extended by each verdict), the sampling params and acceptance
+rule, the acceptance RNG (rsd_runtime.generator.session_generators(seed)[1], made fresh at every
+Attach, so a run reproduces the in-process SpeculativeGenerator with the same seed), and the last
+verified step with its verdict for idempotent retries.
+
+Status codes: malformed request or tree -> INVALID_ARGUMENT; session not attached -> NOT_FOUND;
+older epoch, or a tree whose root_position is not the end of the committed sequence ->
+FAILED_PRECONDITION; no free KV slot -> RESOURCE_EXHAUSTED; anything else -> INTERNAL, logged
+once with the session id. A bad tree ends its own stream only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from rsd.acceptance import Rule, Verdict
+from rsd.methods import Method
+from rsd.sampling import SamplingParams
+from rsd_runtime.generator import session_generators
+from rsd_wire import common_pb2, verifier_pb2, verifier_pb2_grpc
+from rsd_wire.convert import draft_tree_from_proto, generation_params_from_proto, verdict_to_proto
+from verifier_service.batcher import Batcher, BatchInfo
+from verifier_service.engine import BatchedVerifier, PoolFullError, UnknownSessionError, VerifyRequest
+
+log = logging.getLogger(__name__)
+_SESSION_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")  # the registry's id alphabet (gateway/store.py)
+
+
+class RpcError(Exception):
+    """An error with the status code the client gets."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+@dataclass
+class _Session:
+    session_id: str
+    epoch: int
+    committed: list[int]  # the whole committed sequence; committed[-1] is the next tree's root
+    params: SamplingParams
+    method: Method
+    rule: Rule
+    generator: torch.Generator  # acceptance draws
+    cached_at_attach: int  # AttachResponse.cached_length_tokens
+    last_tree: bytes = b""  # the last verified DraftTree, serialized, and its verdict
+    last_verdict: verifier_pb2.Verdict | None = None
+    num_steps: int = 0
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one tree of a session at a time
+
+
+class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
+    def __init__(self, engine: BatchedVerifier, batcher: Batcher, verifier_id: str, max_tree_nodes: int):
+        self.engine, self.batcher = engine, batcher
+        self.verifier_id, self.max_tree_nodes = verifier_id, max_tree_nodes
+        self.sessions: dict[str, _Session] = {}
+        self._open_streams: dict[str, int] = {}  # session -> Verify streams that sent it a tree
+        self._last_used: dict[str, float] = {}  # session -> monotonic time of its last Attach/verdict
+
+    @property
+    def num_sessions(self) -> int:
+        return len(self.sessions)
+
+    # ---- Attach ---------------------------------------------------------------------------------
+    async def Attach(self, request: verifier_pb2.AttachRequest, context) -> verifier_pb2.AttachResponse:
+        try:
+            return await self._attach(request)
+        except Exception as e:
+            await self._abort(context, e, request.session_id)
+
+    async def _attach(self, request: verifier_pb2.AttachRequest) -> verifier_pb2.AttachResponse:
+        sid = _check_session_id(request.session_id)
+        committed = list(request.committed_token_ids)
+        if not committed:
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "committed_token_ids must not be empty")
+        vocab = self.engine.vocab_size
+        bad = next((t for t in committed if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"committed token {bad} is outside [0, {vocab})")
+        if len(committed) >= self.engine.max_len:
+            raise RpcError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{len(committed)} committed tokens leave no room for a tree (max_len={self.engine.max_len})",
+            )
+        params, method, seed = generation_params_from_proto(request.params)
+        async with self.batcher.engine_lock:  # the engine is not thread-safe; the batcher's forward holds it
+            current = self.sessions.get(sid)
+            if current is not None and request.epoch < current.epoch:
+                raise RpcError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"session {sid!r} is attached at epoch {current.epoch}; epoch {request.epoch} is older",
+                )
+            if current is None and self.engine.num_free_slots == 0:
+                self._evict_idle(sid)
+            cached = self.engine.attach(sid, committed)
+            self.sessions[sid] = _Session(
+                session_id=sid,
+                epoch=request.epoch,
+                committed=committed,
+                params=params,
+                method=method,
+                rule=method.rule(params.greedy),
+                generator=session_generators(seed)[1],  # fresh at every Attach: a run replays from its seed
+                cached_at_attach=cached,
+            )
+            self._last_used[sid] = time.monotonic()
+        log.info("attached %s epoch %d: %d committed, %d cached", sid, request.epoch, len(committed), cached)
+        return verifier_pb2.AttachResponse(
+            verifier_id=self.verifier_id,
+            cached_length_tokens=cached,
+            vocab_size=vocab,
+            max_tree_nodes=self.max_tree_nodes,
+        )
+
+    def _evict_idle(self, for_session: str) -> None:
+        """Free the slot of the least recently used session with no open Verify stream (its drafter
+        finished; a later run re-attaches and re-prefills). Caller holds the engine lock."""
+        idle = [s for s in self.sessions if not self._open_streams.get(s)]
+        if not idle:
+            slots = self.engine.num_slots
+            raise PoolFullError(f"all {slots} KV slots hold active sessions; cannot attach {for_session!r}")
+        victim = min(idle, key=lambda s: self._last_used.get(s, 0.0))
+        self.engine.release(victim)
+        del self.sessions[victim]
+        self._last_used.pop(victim, None)
+        log.info("evicted idle session %s to attach %s", victim, for_session)
+
+    # ---- Verify ---------------------------------------------------------------------------------
+    async def Verify(self, request_iterator, context):
+        seen: set[str] = set()
+        sid = ""
+        trees = aiter(request_iterator)
+        try:
+            while True:
+                try:
+                    tree_msg = await anext(trees)
+                except StopAsyncIteration:
+                    return
+                except Exception:  # the client went away or the server is stopping: nobody to answer
+                    return
+                sid = tree_msg.session_id
+                if sid not in seen and sid in self.sessions:
+                    seen.add(sid)
+                    self._open_streams[sid] = self._open_streams.get(sid, 0) + 1
+                yield await self._verify(tree_msg)
+        except Exception as e:
+            await self._abort(context, e, sid)
+        finally:
+            for s in seen:
+                self._open_streams[s] -= 1
+                if not self._open_streams[s]:
+                    del self._open_streams[s]
+
+    async def _verify(self, msg: verifier_pb2.DraftTree) -> verifier_pb2.Verdict:
+        sid = msg.session_id
+        session = self._current(sid, msg.epoch)
+        async with session.lock:
+            session = self._current(sid, msg.epoch)  # an Attach may have replaced it meanwhile
+            last = session.last_verdict
+            if last is not None and msg.root_position == last.root_position:  # a retry of the last step
+                if msg.SerializeToString(deterministic=True) != session.last_tree:
+                    raise RpcError(
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        f"session {sid!r}: the step at root_position {msg.root_position} was already verified "
+                        "with another tree",
+                    )
+                return last
+            root_position = len(session.committed) - 1
+            if msg.root_position != root_position:
+                raise RpcError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"session {sid!r}: root_position {msg.root_position}, but the committed sequence has "
+                    f"{len(session.committed)} tokens (expected root_position {root_position})",
+                )
+            tree = draft_tree_from_proto(msg, self.engine.vocab_size, self.max_tree_nodes)  # ValueError: bad tree
+            if int(tree.token_ids[0]) != session.committed[-1]:
+                raise ValueError(
+                    f"the tree's root token {int(tree.token_ids[0])} is not the last committed token "
+                    f"{session.committed[-1]}"
+                )
+            if root_position + tree.num_nodes > self.engine.max_len:
+                raise ValueError(
+                    f"{root_position} cached + {tree.num_nodes} tree tokens exceed max_len={self.engine.max_len}"
+                )
+            request = VerifyRequest(sid, list(session.committed), tree, session.rule, session.params, session.generator)
+            num_new = root_position - self.engine.cached_length(sid) + tree.num_nodes  # prefill chain + tree
+            serialized = msg.SerializeToString(deterministic=True)
+
+            def record(verdict: Verdict, info: BatchInfo) -> verifier_pb2.Verdict:
+                """Runs in the batcher right after the engine committed the verdict."""
+                if self.sessions.get(sid) is not session:
+                    raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"session {sid!r} was re-attached or released")
+                stats = common_pb2.VerifierStats(
+                    queue_ms=info.queue_ms,
+                    forward_ms=info.forward_ms,
+                    batch_num_sessions=info.num_sessions,
+                    batch_num_nodes=info.num_nodes,
+                )
+                reply = verdict_to_proto(
+                    verdict, session_id=sid, epoch=session.epoch, root_position=msg.root_position, stats=stats
+                )
+                session.committed += verdict.token_ids
+                session.last_tree, session.last_verdict = serialized, reply
+                session.num_steps += 1
+                self._last_used[sid] = time.monotonic()
+                return reply
+
+            return await self.batcher.submit(request, num_new, record)
+
+    def _current(self, sid: str, epoch: int) -> _Session:
+        session = self.sessions.get(sid)
+        if session is None:
+            raise UnknownSessionError(f"session {sid!r} is not attached to verifier {self.verifier_id}")
+        if epoch != session.epoch:
+            relation = "older than" if epoch < session.epoch else "not"
+            raise RpcError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"session {sid!r}: tree of epoch {epoch} is {relation} the attached epoch {session.epoch}",
+            )
+        return session
+
+    # ---- Release --------------------------------------------------------------------------------
+    async def Release(self, request: verifier_pb2.ReleaseRequest, context) -> verifier_pb2.ReleaseResponse:
+        async with self.batcher.engine_lock:
+            session = self.sessions.get(request.session_id)
+            if session is None or session.epoch > request.epoch:  # nothing held, or a newer attach stays
+                return verifier_pb2.ReleaseResponse(released=False)
+            self.engine.release(request.session_id)
+            del self.sessions[request.session_id]
+            self._last_used.pop(request.session_id, None)
+        return verifier_pb2.ReleaseResponse(released=True)
+
+    # ---- errors ---------------------------------------------------------------------------------
+    async def _abort(self, context, error: Exception, session_id: str) -> None:
+        code, details = _status_of(error)
+        if code == grpc.StatusCode.INTERNAL:
+            log.error("session %s: internal error", session_id or "?", exc_info=error)
+        await context.abort(code, details)
+
+
+def _status_of(error: Exception) -> tuple[grpc.StatusCode, str]:
+    if isinstance(error, RpcError):
+        return error.code, error.details
+    if isinstance(error, UnknownSessionError):
+        return grpc.StatusCode.NOT_FOUND, str(error)
+    if isinstance(error, PoolFullError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
+    if isinstance(error, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(error)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}"
+
+
+def _check_session_id(session_id: str) -> str:
+    if not _SESSION_ID.fullmatch(session_id):
+        raise ValueError(f"session_id must be 1-128 characters of [A-Za-z0-9._-], got {session_id!r}")
+    return session_id
