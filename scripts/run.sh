@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The main job: set up (idempotent), fetch the real Qwen2.5-Coder pair on first use (hash-checked,
-# converted once into ~/.cache/rsd/models), and answer a real generation with RSD-S.
-# Extra args go to `rsd generate` (e.g. --tiny for a seconds-long smoke run, --temperature 0.7).
+# converted once into ~/.cache/rsd/models), start the local cluster as plain processes on loopback
+# (redis-server when installed, else the gateway's embedded store; verifier; drafter; gateway),
+# answer a real generation through the gateway with RSD-S, and stop.
+# Extra args go to `rsd cluster` (e.g. --tiny for a seconds-long smoke run, --keep-running).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
-exec .venv/bin/rsd generate "$@"
+exec .venv/bin/rsd cluster "$@"
