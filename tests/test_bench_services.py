@@ -1,0 +1,100 @@
+"""Smoke test of rsd_runtime.bench_services on tiny models: the services start as processes, the
+three parts run (2 sessions, 8 tokens, batching on then off), and the JSON / Markdown have their fields.
+Through the gateway the tokens equal the in-process SpeculativeGenerator's (T=0 and T=1)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+OVERHEAD_KEYS = {
+    "temperature",
+    "inprocess_tok_s",
+    "gateway_tok_s",
+    "ratio",
+    "tokens_match",
+    "inprocess_tokens",
+    "gateway_tokens",
+    "inprocess_wall_s",
+    "gateway_wall_s",
+    "block_efficiency",
+    "est_ratio_from_split",
+    "interleaved",
+    "inprocess_step_ms",
+    "inprocess_draft_ms",
+    "inprocess_verify_ms",
+}
+CAPACITY_KEYS = {
+    "batching",
+    "temperature",
+    "sessions",
+    "tokens",
+    "wall_s",
+    "aggregate_tok_s",
+    "per_session_tok_s",
+    "speedup_vs_1",
+    "mean_batch_sessions",
+}
+SPLIT_KEYS = {
+    "run",
+    "draft_ms",
+    "transfer_ms",
+    "queue_ms",
+    "verify_ms",
+    "residual_ms",
+    "step_ms",
+    "first_step_ms",
+    "num_steps",
+    "mean_batch_sessions",
+    "acceptance",
+    "block_efficiency",
+}
+
+
+def test_bench_services_smoke(tmp_path):
+    cmd = [sys.executable, "-m", "rsd_runtime.bench_services", "--tiny", "--cache-dir", str(tmp_path / "models")]
+    cmd += ["--vocab-size", "256", "--hidden-size", "64", "--num-layers", "2", "--draft-layers", "1"]
+    cmd += ["--sessions", "2", "--max-new-tokens", "8", "--num-prompts", "1", "--method", "rsd_s", "--shape", "2x3"]
+    cmd += ["--name", "smoke", "--out-dir", str(tmp_path / "out"), "--run-dir", str(tmp_path / "logs")]
+    cmd += ["--start-timeout-s", "120"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    report = json.loads((tmp_path / "out" / "smoke.json").read_text())
+    md = (tmp_path / "out" / "smoke.md").read_text()
+    assert {
+        "name",
+        "command",
+        "elapsed_s",
+        "models",
+        "settings",
+        "overhead",
+        "capacity",
+        "step_split",
+        "missing",
+    } <= set(report)
+    assert report["settings"]["sessions"] == [1, 2]
+    assert [r["temperature"] for r in report["overhead"]] == [0.0, 1.0]
+    for row in report["overhead"]:
+        assert set(row) == OVERHEAD_KEYS
+        assert row["tokens_match"] is True  # the services reproduce the in-process run exactly
+        assert row["gateway_tokens"] == row["inprocess_tokens"] > 0
+        assert row["ratio"] > 0 and 0 < row["est_ratio_from_split"] <= 1
+        assert row["interleaved"] is True  # tiny models: in-process and gateway runs alternate
+    # batching on then off: 1 and 2 sessions at T=0, then 2 sessions at T=1
+    cases = [(r["batching"], r["sessions"], r["temperature"]) for r in report["capacity"]]
+    assert cases == [(b, n, t) for b in (True, False) for n, t in ((1, 0.0), (2, 0.0), (2, 1.0))]
+    for row in report["capacity"]:
+        assert set(row) == CAPACITY_KEYS
+        assert row["tokens"] == 8 * row["sessions"] and row["aggregate_tok_s"] > 0
+    assert all(r["speedup_vs_1"] == 1.0 for r in report["capacity"] if r["sessions"] == 1)
+    assert all(r["mean_batch_sessions"] == 1.0 for r in report["capacity"] if not r["batching"])
+    assert len(report["step_split"]) == 2 + 6
+    for row in report["step_split"]:
+        assert set(row) == SPLIT_KEYS
+        assert row["draft_ms"] > 0 and row["verify_ms"] > 0 and row["num_steps"] > 0
+    assert "Distributed overhead" in md and "Verifier capacity" in md and "Time per step" in md
