@@ -1,0 +1,733 @@
+"""Benchmark speculative methods against autoregressive decoding on one loaded drafter/target pair.
+
+    python -m rsd_runtime.bench --quick                       # the real pair (provisioned/cached)
+    python -m rsd_runtime.bench --config "ar;sd:4;specinfer:2,2,1;spectr:2x4;rsd_c:2,2,1;rsd_s:3x4" \\
+        --temperatures 0,1 --num-prompts 3 --max-new-tokens 32 --threads 2 --name cpu-quick
+    python -m rsd_runtime.bench --method ar --method rsd_s:3x4 --draft DIR --target DIR --prompts FILE
+
+Methods are `name[:shape]`, separated by ';' in --config (shapes contain commas) or given one per
+--method flag: ar (target alone), sd:L, specinfer:K1,K2,..., spectr:KxL, rsd_c:K1,K2,..., rsd_s:WxL,
+and hf_assisted[:k] (transformers' assisted generation with the same two models; k = draft tokens
+per step with a constant schedule, no k = transformers' defaults). Every method runs on the same
+models, prompts, per-prompt seeds, temperatures and max new tokens; runs are interleaved (for each
+temperature, for each prompt, every method) so a background load hits all methods alike.
+
+Prompts: by default functions of the Python standard library of the running interpreter (a fixed
+module list; module-level functions with a docstring and a body after it), cut after the signature
+and the docstring, drawn with a fixed seed. --prompts FILE reads JSON lines with a "prompt" field.
+
+Metrics per (method, temperature), summed over prompts:
+    block_efficiency  new tokens / target calls
+    mbsu              memory-bound speed-up (SpecTr, RSD papers): block_efficiency / (1 + c * F), with F
+                      the draft forwards per target call and c = draft / target single-token forward
+                      time, both measured in this run on the same context
+    tokens_per_s      new tokens / wall seconds; speedup_vs_ar divides it by the ar row at the same T
+    steady_tokens_per_s   the same after each generation's first step (which also prefills both models)
+    draft_s, verify_s, other_s   the wall time split (other: sampling glue, bookkeeping)
+Writes <out-dir>/<name>.json and <out-dir>/<name>.md, rewritten after every prompt ("complete": false
+until the end). benchmarks/README.md describes every field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import importlib
+import inspect
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here reaches a model hub
+
+DEFAULT_SHAPES = {"sd": "4", "specinfer": "2,2,1", "spectr": "3x4", "rsd_c": "2,2,1", "rsd_s": "3x4", "hf_assisted": ""}
+QUICK_CONFIG = "ar;sd:4;specinfer:2,2,1;spectr:2x4;rsd_c:2,2,1;rsd_s:3x4"
+FULL_CONFIG = (
+    "ar;sd:2;sd:4;sd:6;specinfer:2,2,1;specinfer:3,2,2,1;spectr:2x4;spectr:4x4;"
+    "rsd_c:2,2,1;rsd_c:3,2,2,1;rsd_s:3x4;rsd_s:4x5;hf_assisted:4"
+)
+MBSU_FORMULA = (
+    "mbsu = block_efficiency / (1 + c * draft_forwards_per_step), c = draft / target single-token forward "
+    "time (minimum over interleaved repetitions, measured in this run on the first prompt's context); "
+    "draft_forwards_per_step = draft forwards / target calls"
+)
+# Pure-Python standard-library modules whose module-level functions make the built-in prompt set.
+STDLIB_MODULES = (
+    "argparse", "ast", "base64", "bisect", "calendar", "codecs", "colorsys", "copy", "csv", "dataclasses",
+    "difflib", "dis", "email.utils", "fnmatch", "fractions", "functools", "genericpath", "gettext", "glob",
+    "heapq", "html", "inspect", "ipaddress", "json", "keyword", "linecache", "locale", "logging", "mimetypes",
+    "ntpath", "os", "platform", "posixpath", "pprint", "quopri", "random", "re", "reprlib", "shlex", "shutil",
+    "statistics", "string", "subprocess", "sysconfig", "tarfile", "tempfile", "textwrap", "tokenize",
+    "traceback", "types", "urllib.parse", "uuid", "warnings", "zipfile",
+)  # fmt: skip
+# transformers 5.24's defaults for assisted generation (GenerationConfig._get_default_generation_params).
+_HF_DEFAULTS = {
+    "num_assistant_tokens": 20,
+    "num_assistant_tokens_schedule": "constant",
+    "assistant_confidence_threshold": 0.4,
+}
+PROMPT_CHARS = (120, 1500)  # prompt length bounds, in characters
+
+
+# ---------------------------------------------------------------- prompts
+
+
+def _signature_and_docstring(source: str) -> str | None:
+    """The source of a module-level function cut after its docstring, or None when it has no
+    docstring or nothing after it."""
+    try:
+        node = ast.parse(source).body[0]
+    except (SyntaxError, IndexError):
+        return None
+    if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) or ast.get_docstring(node) is None:
+        return None
+    if len(node.body) < 2:  # nothing to complete after the docstring
+        return None
+    lines = source.splitlines()
+    return "\n".join(lines[: node.body[0].end_lineno]) + "\n"
+
+
+def stdlib_candidates() -> list[dict]:
+    """Every usable (module, function) of STDLIB_MODULES, sorted: dicts with id, prompt, source."""
+    out = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for mod_name in STDLIB_MODULES:
+            try:
+                module = importlib.import_module(mod_name)
+            except ImportError:
+                continue
+            for name, fn in sorted(vars(module).items()):
+                if name.startswith("_") or not inspect.isfunction(fn) or fn.__module__ != module.__name__:
+                    continue
+                try:
+                    source = inspect.getsource(fn)
+                except (OSError, TypeError):
+                    continue
+                prompt = _signature_and_docstring(source)
+                if prompt and PROMPT_CHARS[0] <= len(prompt) <= PROMPT_CHARS[1]:
+                    out.append({"id": f"{mod_name}.{name}", "prompt": prompt})
+    return out
+
+
+def stdlib_prompts(n: int, seed: int) -> list[dict]:
+    """n prompts drawn without replacement, with random.Random(seed), from stdlib_candidates()."""
+    cands = stdlib_candidates()
+    if n > len(cands):
+        raise ValueError(f"only {len(cands)} standard-library prompts are available, asked for {n}")
+    return random.Random(seed).sample(cands, n)
+
+
+def file_prompts(path: Path, n: int | None, seed: int) -> list[dict]:
+    """JSON lines with a "prompt" field (and an optional "id"); all of them in file order when n is
+    None or covers the file, else n drawn with random.Random(seed)."""
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines()):
+        if line.strip():
+            obj = json.loads(line)
+            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
+                raise ValueError(f"{path}:{i + 1}: expected a JSON object with a non-empty string 'prompt'")
+            rows.append({"id": str(obj.get("id", f"line{i + 1}")), "prompt": obj["prompt"]})
+    if n is None or n >= len(rows):
+        return rows
+    return random.Random(seed).sample(rows, n)
+
+
+# ---------------------------------------------------------------- methods
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str  # "ar", "hf_assisted" or an rsd.methods name
+    shape: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}:{self.shape}" if self.shape else self.name
+
+    def method(self):
+        """The rsd.methods.Method, or None for ar and hf_assisted."""
+        from rsd.methods import Method
+
+        return None if self.name in ("ar", "hf_assisted") else Method.parse(self.name, self.shape)
+
+
+def parse_spec(text: str) -> Spec:
+    """ "rsd_s:3x4" / "sd" (default shape) / "ar" / "hf_assisted:4" -> Spec, validated."""
+    name, _, shape = text.strip().partition(":")
+    name, shape = name.strip(), shape.strip()
+    if name == "ar":
+        if shape:
+            raise ValueError("ar takes no shape")
+        return Spec("ar")
+    if name == "hf_assisted":
+        if shape and not (shape.isdigit() and int(shape) > 0):
+            raise ValueError(f"hf_assisted takes a number of draft tokens, got {shape!r}")
+        return Spec(name, shape)
+    if name not in DEFAULT_SHAPES:
+        raise ValueError(f"unknown method {name!r}; expected ar, hf_assisted or one of {', '.join(DEFAULT_SHAPES)}")
+    spec = Spec(name, shape or DEFAULT_SHAPES[name])
+    spec.method()  # raises ValueError on a bad shape
+    return spec
+
+
+def parse_config(text: str) -> list[Spec]:
+    """ "ar;sd:4;rsd_c:2,2,1" -> [Spec, ...] (';' separates methods: shapes use commas)."""
+    specs = [parse_spec(part) for part in text.split(";") if part.strip()]
+    if not specs:
+        raise ValueError(f"no methods in {text!r}")
+    return specs
+
+
+def parse_temperatures(text: str) -> list[float]:
+    temps = [float(t) for t in text.split(",") if t.strip()]
+    if not temps or any(not (t >= 0 and t < float("inf")) for t in temps):
+        raise ValueError(f"temperatures must be finite and >= 0, got {text!r}")
+    return temps
+
+
+# ---------------------------------------------------------------- measuring
+
+
+def forward_costs(target, draft, prompt_ids: list[int], tree_sizes: list[int], reps: int) -> dict:
+    """Single-token forward times of both models (for c) and the target's forward time for each n in
+    tree_sizes (n new tokens as a chain), all after the prompt sits in the cache. The timings are
+    interleaved (each rep runs every case once) and summarised by their minimum: a background load
+    only ever adds time, and it then hits draft and target alike. The first rep is a warm-up."""
+    import torch
+
+    cases = [("target", target, 1)] + ([("draft", draft, 1)] if draft is not None else [])
+    cases += [("target", target, n) for n in sorted(set(tree_sizes) - {1})]
+    for runner in {id(r): r for _, r, _ in cases}.values():
+        runner.reset()
+        runner.forward(torch.tensor(prompt_ids), torch.arange(-1, len(prompt_ids) - 1))
+        runner.commit(list(range(len(prompt_ids))))
+    times: dict[tuple[str, int], list[float]] = {(role, n): [] for role, _, n in cases}
+    for rep in range(reps + 1):
+        for role, runner, n in cases:
+            t = time.perf_counter()
+            runner.forward(torch.tensor([prompt_ids[-1]] * n), torch.arange(-1, n - 1))
+            if rep:
+                times[(role, n)].append(1000 * (time.perf_counter() - t))
+            runner.commit([])
+    for _, runner, _ in cases:
+        runner.reset()
+    out = {"context_tokens": len(prompt_ids), "reps": reps, "summary": "min over reps (median in *_median)"}
+    for role in ("target", "draft"):
+        if (role, 1) in times:
+            out[f"{role}_1tok_ms"] = min(times[(role, 1)])
+            out[f"{role}_1tok_ms_median"] = statistics.median(times[(role, 1)])
+    if draft is not None:
+        out["c"] = out["draft_1tok_ms"] / out["target_1tok_ms"]
+    out["target_ms_by_tokens"] = {str(n): min(ts) for (role, n), ts in times.items() if role == "target"}
+    return out
+
+
+def _token_hash(ids: list[int]) -> str:
+    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
+
+
+class _StepStreamer:
+    """A transformers streamer that timestamps each put: the prompt first, then one put per step."""
+
+    def __init__(self, marks: list):
+        self.marks, self.seen_prompt = marks, False
+
+    def put(self, value) -> None:
+        if self.seen_prompt:
+            self.marks.append((time.perf_counter(), int(value.numel())))
+        self.seen_prompt = True
+
+    def end(self) -> None:
+        pass
+
+
+def _instrument(gen) -> list[tuple[float, int]]:
+    """Make gen's verifier append (time, tokens) after each target step, into the returned list (the
+    first step of a generation also prefills both models: steady-state rates start after it)."""
+    marks: list[tuple[float, int]] = []
+    verifier = gen.verifier
+    verify, step_autoregressive = verifier.verify, verifier.step_autoregressive
+
+    def timed_verify(*args, **kwargs):
+        verdict = verify(*args, **kwargs)
+        marks.append((time.perf_counter(), len(verdict.token_ids)))
+        return verdict
+
+    def timed_step(*args, **kwargs):
+        token = step_autoregressive(*args, **kwargs)
+        marks.append((time.perf_counter(), 1))
+        return token
+
+    verifier.verify, verifier.step_autoregressive = timed_verify, timed_step
+    return marks
+
+
+def run_hf_assisted(
+    target_model, draft_model, prompt_ids, spec: Spec, temperature, max_new, eos, seed, ignore_eos, marks: list
+):
+    """One transformers assisted generation; returns (new token ids, wall seconds, settings used,
+    (start, end) times); appends (time, tokens) per step to marks."""
+    import copy
+
+    import torch
+
+    gen_cfg = copy.deepcopy(target_model.generation_config)
+    gen_cfg.max_new_tokens = max_new
+    gen_cfg.do_sample = temperature > 0
+    gen_cfg.temperature = temperature if temperature > 0 else None
+    # Explicit "off" values: None would fall back to transformers' defaults (top_k 50).
+    gen_cfg.top_k, gen_cfg.top_p, gen_cfg.repetition_penalty = 0, 1.0, 1.0
+    gen_cfg.eos_token_id = list(eos) or None
+    gen_cfg.pad_token_id = gen_cfg.pad_token_id if gen_cfg.pad_token_id is not None else (eos[0] if eos else 0)
+    if ignore_eos:
+        gen_cfg.min_new_tokens = max_new
+    # transformers reads the drafting settings from the assistant's own generation config (and its
+    # "heuristic" schedule writes back into it): set them for this call only, then restore.
+    assistant_cfg = draft_model.generation_config
+    saved = copy.deepcopy(assistant_cfg)
+    settings = dict(_HF_DEFAULTS)
+    if spec.shape:  # k drafts per step, always: like sd:k
+        settings.update(num_assistant_tokens=int(spec.shape), assistant_confidence_threshold=0.0)
+    for k, v in settings.items():
+        setattr(assistant_cfg, k, v)
+    ids = torch.tensor([prompt_ids])
+    torch.manual_seed(seed)
+    t = time.perf_counter()
+    try:
+        with torch.inference_mode():
+            out = target_model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                generation_config=gen_cfg,
+                assistant_model=draft_model,
+                streamer=_StepStreamer(marks),
+            )
+    finally:
+        draft_model.generation_config = saved
+    t_end = time.perf_counter()
+    return out[0, len(prompt_ids) :].tolist(), t_end - t, settings, (t, t_end)
+
+
+@dataclass
+class Tally:
+    """Sums over the prompts of one (method, temperature)."""
+
+    new_tokens: int = 0
+    target_calls: int = 0
+    draft_forwards: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+    accepted: list | None = None
+    tried: list | None = None
+
+
+def _row(spec: Spec, temperature: float, tally: Tally, outputs: list[dict], costs: dict, protocol: str) -> dict:
+    method = spec.method()
+    is_hf = spec.name == "hf_assisted"
+    calls = tally.target_calls
+    be = None if is_hf else tally.new_tokens / max(calls, 1)
+    fwd_per_step = None if is_hf else tally.draft_forwards / max(calls, 1)
+    c = costs.get("c")
+    mbsu = None if be is None else (be / (1 + c * fwd_per_step) if c is not None else (be if method is None else None))
+    steady_tokens = tally.new_tokens - sum(o["first_step_tokens"] for o in outputs)
+    steady_s = sum(o["steady_s"] for o in outputs)
+    acceptance = None
+    if tally.tried is not None:
+        acceptance = [round(a / t, 4) if t else None for a, t in zip(tally.accepted, tally.tried, strict=True)]
+    return {
+        "method": spec.name,
+        "label": spec.label,
+        "protocol": protocol,
+        "temperature": temperature,
+        "shape": spec.shape or None,
+        "depth": method.depth if method else (0 if spec.name == "ar" else None),
+        "nodes": method.max_draft_tokens if method else (0 if spec.name == "ar" else None),
+        "prompts": len(outputs),
+        "new_tokens": tally.new_tokens,
+        "target_calls": None if is_hf else calls,
+        "draft_forwards": None if is_hf else tally.draft_forwards,
+        "draft_forwards_per_step": fwd_per_step,
+        "block_efficiency": be,
+        "mbsu": mbsu,
+        "acceptance_by_depth": acceptance,
+        "tokens_per_s": tally.new_tokens / tally.total_s if tally.total_s > 0 else None,
+        "speedup_vs_ar": None,  # filled in once every row exists
+        "first_step_s": sum(o["first_step_s"] for o in outputs),  # holds both prefills
+        "steady_tokens_per_s": steady_tokens / steady_s if steady_s > 0 else None,  # after the first step
+        "steady_speedup_vs_ar": None,
+        "total_s": tally.total_s,
+        "draft_s": None if is_hf else tally.draft_s,
+        "verify_s": None if is_hf else tally.verify_s,
+        "other_s": None if is_hf else tally.total_s - tally.draft_s - tally.verify_s,
+        "verify_ms_per_call": None if is_hf else 1000 * tally.verify_s / max(calls, 1),
+        "draft_ms_per_forward": 1000 * tally.draft_s / tally.draft_forwards if tally.draft_forwards else None,
+        "matches_ar": None,  # T = 0 only: every prompt's tokens equal the ar row's
+        "outputs": outputs,
+    }
+
+
+def _finish_rows(rows: list[dict]) -> None:
+    ar = {r["temperature"]: r for r in rows if r["method"] == "ar"}
+    for r in rows:
+        base = ar.get(r["temperature"])
+        if base is None:
+            continue
+        for rate, ratio in (("tokens_per_s", "speedup_vs_ar"), ("steady_tokens_per_s", "steady_speedup_vs_ar")):
+            if r[rate] and base[rate]:
+                r[ratio] = r[rate] / base[rate]
+        if r["temperature"] == 0:
+            ref = {o["prompt"]: o["token_sha"] for o in base["outputs"]}
+            r["matches_ar"] = all(ref.get(o["prompt"]) == o["token_sha"] for o in r["outputs"])
+
+
+# ---------------------------------------------------------------- report
+
+
+def _fmt(v, digits=2) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, bool):
+        return "yes" if v else "NO"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def markdown(result: dict) -> str:
+    costs, prompts = result["forward_costs"], result["prompts"]
+    lines = [
+        f"# {result['name']}",
+        "",
+        f"- target `{result['models']['target']['path']}` ({result['models']['target']['params'] / 1e9:.2f}B "
+        f"params), draft `{result['models']['draft']['path']}` ({result['models']['draft']['params'] / 1e9:.2f}B), "
+        f"{result['models']['target']['dtype']} on {result['models']['target']['device']}",
+        f"- machine: {result['machine']['cpu_model']}, {result['machine']['cores']} cores, torch "
+        f"{result['machine']['torch']} with {result['machine']['torch_threads']} threads; load average "
+        f"{result['machine']['loadavg_start']} at start, "
+        + (
+            f"{result['machine']['loadavg_end']} at end"
+            if result["complete"]
+            else f"{result['machine']['loadavg_now']} now"
+        ),
+        f"- prompts: {prompts['count']} from {prompts['source']} (seed {prompts['seed']}),"
+        f" {result['settings']['max_new_tokens']} new tokens max, seeds {result['settings']['seed']}+prompt index",
+        f"- single-token forward: target {costs['target_1tok_ms']:.0f} ms, draft "
+        f"{_fmt(costs.get('draft_1tok_ms'), 0)} ms → c = {_fmt(costs.get('c'), 3)}; target forward by tokens: "
+        + ", ".join(
+            f"{k}: {v:.0f} ms" for k, v in sorted(costs["target_ms_by_tokens"].items(), key=lambda kv: int(kv[0]))
+        ),
+        f"- {result['mbsu_formula']}",
+        f"- prompt tokens {', '.join(str(i['tokens']) for i in prompts['items'])}; each generation's first step holds "
+        "the prefill of both models: steady tok/s counts only the tokens and seconds after it",
+        f"- wall time of the whole run: {result['wall_s']:.0f} s"
+        + ("" if result["complete"] else " so far (**a snapshot: the run has not finished**)"),
+        "",
+        "| method | shape | T | depth | nodes | block eff. | draft fwd/step | MBSU | tok/s | vs ar | steady tok/s "
+        "| steady vs ar | draft s "
+        "| verify s | other s | verify ms/call | acceptance by depth | T=0 = ar |",
+        "|" + " --- |" * 18,
+    ]
+    for r in result["rows"]:
+        acc = "–" if r["acceptance_by_depth"] is None else " ".join(_fmt(a) for a in r["acceptance_by_depth"])
+        lines.append(
+            f"| {r['method']} | {_fmt(r['shape'])} | {_fmt(r['temperature'], 1)} | {_fmt(r['depth'])} | "
+            f"{_fmt(r['nodes'])} | {_fmt(r['block_efficiency'])} | {_fmt(r['draft_forwards_per_step'])} | "
+            f"{_fmt(r['mbsu'])} | {_fmt(r['tokens_per_s'], 3)} | {_fmt(r['speedup_vs_ar'])} | "
+            f"{_fmt(r['steady_tokens_per_s'], 3)} | {_fmt(r['steady_speedup_vs_ar'])} | {_fmt(r['draft_s'], 1)} | "
+            f"{_fmt(r['verify_s'], 1)} | {_fmt(r['other_s'], 1)} | {_fmt(r['verify_ms_per_call'], 0)} | {acc} | "
+            f"{_fmt(r['matches_ar'])} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- main
+
+
+def _model_info(path: Path, model, dtype: str, device: str) -> dict:
+    info = {
+        "path": str(path),
+        "name": path.name,
+        "model_type": model.config.model_type,
+        "params": sum(p.numel() for p in model.parameters()),
+        "dtype": dtype,
+        "device": device,
+    }
+    marker = path / "rsd_provision.json"
+    if marker.is_file():
+        info["gguf_sha256"] = json.loads(marker.read_text()).get("gguf_sha256")
+    return info
+
+
+def _machine_info() -> dict:
+    import torch
+    import transformers
+
+    cpu = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu_model": cpu,
+        "cores": os.cpu_count(),
+        "cores_available": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "loadavg_start": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m rsd_runtime.bench",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n".join(__doc__.split("\n")[1:]),
+    )
+    ap.add_argument("--quick", action="store_true", help=f"preset: {QUICK_CONFIG}; 3 prompts, 32 tokens, T 0,1")
+    ap.add_argument("--config", help=f"';'-separated methods, e.g. {QUICK_CONFIG!r}")
+    ap.add_argument("--method", action="append", default=[], help="one method 'name[:shape]'; repeatable")
+    ap.add_argument("--temperatures", default=None, help="comma-separated, e.g. 0,1 (default 0,1)")
+    ap.add_argument("--num-prompts", type=int, default=None, help="default 3 with --quick, else 10")
+    ap.add_argument("--prompts", type=Path, help="JSON lines with a 'prompt' field (default: stdlib functions)")
+    ap.add_argument("--prompt-seed", type=int, default=0, help="seed of the prompt draw")
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="default 32 with --quick, else 64")
+    ap.add_argument("--seed", type=int, default=0, help="prompt i is generated with seed + i by every method")
+    ap.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens")
+    ap.add_argument("--draft", type=Path, help="draft model folder (default: the provisioned Qwen pair)")
+    ap.add_argument("--target", type=Path, help="target model folder, same tokenizer as the draft")
+    ap.add_argument("--cache-dir", type=Path, default=None, help="model cache for the provisioned pair")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--cost-reps", type=int, default=5, help="repetitions of each timed forward for c")
+    ap.add_argument("--tree-costs", action="store_true", help="also time one target forward per method's tree size")
+    ap.add_argument("--protocol", default=None, help="label of how shapes were chosen (default: inferred)")
+    ap.add_argument("--name", default="bench", help="result file stem")
+    ap.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parents[1] / "benchmarks" / "results")
+    return ap
+
+
+def _infer_protocol(specs: list[Spec]) -> str:
+    methods = [m for m in (s.method() for s in specs) if m is not None]
+    if len({m.depth for m in methods}) <= 1:
+        return "fixed_depth"
+    if len({m.max_draft_tokens for m in methods}) <= 1:
+        return "fixed_nodes"
+    return "per_method_shape"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.config or args.method:
+            specs = (parse_config(args.config) if args.config else []) + [parse_spec(m) for m in args.method]
+        else:
+            specs = parse_config(QUICK_CONFIG if args.quick else FULL_CONFIG)
+        temperatures = parse_temperatures(args.temperatures or "0,1")
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    num_prompts = args.num_prompts or (3 if args.quick else 10)
+    max_new = args.max_new_tokens or (32 if args.quick else 64)
+    if len({s.label for s in specs}) != len(specs):
+        raise SystemExit("error: a method is listed twice")
+
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from rsd.sampling import SamplingParams
+    from rsd_runtime.generator import SpeculativeGenerator
+    from rsd_runtime.models import load_model, load_tokenizer
+    from rsd_runtime.runner import ModelRunner
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t_start = time.perf_counter()
+    machine = _machine_info()
+
+    if args.prompts:
+        prompts = file_prompts(args.prompts, args.num_prompts, args.prompt_seed)
+        source = str(args.prompts)
+    else:
+        prompts = stdlib_prompts(num_prompts, args.prompt_seed)
+        source = f"python {platform.python_version()} standard library ({len(STDLIB_MODULES)} modules)"
+
+    if args.draft and args.target:
+        draft_dir, target_dir = args.draft, args.target
+    elif args.draft or args.target:
+        raise SystemExit("error: give both --draft and --target, or neither")
+    else:
+        from rsd_runtime.provision import provision_pair
+
+        paths = provision_pair(args.cache_dir)
+        draft_dir, target_dir = paths["draft"], paths["target"]
+
+    log(f"loading target {target_dir} and draft {draft_dir} ({args.dtype}, {args.device})")
+    tokenizer = load_tokenizer(target_dir)
+    target_model = load_model(target_dir, args.device, args.dtype)
+    needs_draft = any(s.name != "ar" for s in specs)
+    draft_model = load_model(draft_dir, args.device, args.dtype) if needs_draft else None
+    encoded = [tokenizer.encode(p["prompt"]) for p in prompts]
+    if any(not ids for ids in encoded):
+        raise SystemExit("error: a prompt encodes to no tokens")
+    eos: tuple[int, ...] = ()
+    if not args.ignore_eos:
+        cfg_eos = target_model.generation_config.eos_token_id
+        cfg_eos = cfg_eos if isinstance(cfg_eos, list) else [cfg_eos]
+        eos = tuple(sorted({i for i in [tokenizer.eos_token_id, *cfg_eos] if i is not None}))
+    methods = {s.label: s.method() for s in specs}
+    max_nodes = max([m.max_draft_tokens for m in methods.values() if m is not None] + [0])
+    max_len = max(len(ids) for ids in encoded) + max_new + 2 * max_nodes + 16
+    target = ModelRunner(target_model, max_len)
+    draft = ModelRunner(draft_model, max_len) if draft_model is not None else None
+    gen = SpeculativeGenerator(target, draft)
+
+    tree_sizes = [m.max_draft_tokens + 1 for m in methods.values() if m is not None] if args.tree_costs else []
+    log("timing single-token forwards" + (" and trees" if tree_sizes else ""))
+    costs = forward_costs(target, draft, encoded[0], tree_sizes, args.cost_reps)
+    log(f"forward costs: {json.dumps({k: v for k, v in costs.items() if k != 'target_ms_by_tokens'})}")
+    step_marks = _instrument(gen)
+
+    tallies = {(s.label, t): Tally() for t in temperatures for s in specs}
+    outputs = {key: [] for key in tallies}
+    hf_settings = {}
+    protocol = args.protocol or _infer_protocol(specs)
+    json_path, md_path = args.out_dir / f"{args.name}.json", args.out_dir / f"{args.name}.md"
+
+    def write(complete: bool) -> dict:
+        """Write the JSON and the markdown of every (method, temperature) run so far."""
+        rows = [
+            _row(s, t, tallies[(s.label, t)], outputs[(s.label, t)], costs, protocol)
+            for t in temperatures
+            for s in specs
+            if outputs[(s.label, t)]
+        ]
+        for row in rows:
+            if row["label"] in hf_settings:
+                row["hf_settings"] = hf_settings[row["label"]]
+        _finish_rows(rows)
+        machine["loadavg_end" if complete else "loadavg_now"] = [round(x, 2) for x in os.getloadavg()]
+        if complete:
+            machine.pop("loadavg_now", None)
+        result = {
+            "name": args.name,
+            "models": {
+                "target": _model_info(Path(target_dir), target_model, args.dtype, args.device),
+                "draft": _model_info(Path(draft_dir), draft_model, args.dtype, args.device) if draft_model else None,
+            },
+            "machine": machine,
+            "prompts": {
+                "source": source,
+                "count": len(prompts),
+                "seed": args.prompt_seed,
+                "sha256": hashlib.sha256(json.dumps([p["prompt"] for p in prompts]).encode()).hexdigest(),
+                "items": [
+                    {"id": p["id"], "chars": len(p["prompt"]), "tokens": len(ids)}
+                    for p, ids in zip(prompts, encoded, strict=True)
+                ],
+            },
+            "settings": {
+                "methods": [s.label for s in specs],
+                "temperatures": temperatures,
+                "max_new_tokens": max_new,
+                "seed": args.seed,
+                "eos_token_ids": list(eos),
+                "order": "for each temperature, for each prompt, every method in turn",
+            },
+            "mbsu_formula": MBSU_FORMULA,
+            "forward_costs": costs,
+            "rows": rows,
+            "wall_s": time.perf_counter() - t_start,
+            "complete": complete,  # false: a snapshot written while the run goes on
+        }
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result, indent=1) + "\n")
+        md_path.write_text(markdown(result))
+        return result
+
+    for temperature in temperatures:
+        params = SamplingParams(temperature=temperature)
+        for i, ids in enumerate(encoded):
+            seed = args.seed + i
+            for spec in specs:
+                tally, key = tallies[(spec.label, temperature)], (spec.label, temperature)
+                step_marks.clear()
+                if spec.name == "hf_assisted":
+                    new, wall, hf_settings[spec.label], (t0, t_end) = run_hf_assisted(
+                        target_model,
+                        draft_model,
+                        ids,
+                        spec,
+                        temperature,
+                        max_new,
+                        eos,
+                        seed,
+                        args.ignore_eos,
+                        step_marks,
+                    )
+                    tally.new_tokens += len(new)
+                    tally.total_s += wall
+                    calls = None
+                else:
+                    t0 = time.perf_counter()
+                    res = gen.generate(ids, methods[spec.label], params, max_new, eos, seed)
+                    t_end = time.perf_counter()
+                    s, new, wall, calls = res.stats, res.token_ids, res.stats.total_s, res.stats.target_calls
+                    tally.new_tokens += s.new_tokens
+                    tally.target_calls += s.target_calls
+                    tally.draft_forwards += s.draft_forwards
+                    tally.draft_s += s.draft_s
+                    tally.verify_s += s.verify_s
+                    tally.total_s += s.total_s
+                    if s.tried_by_depth:
+                        if tally.tried is None:
+                            tally.accepted, tally.tried = [0] * len(s.tried_by_depth), [0] * len(s.tried_by_depth)
+                        tally.accepted = [a + b for a, b in zip(tally.accepted, s.accepted_by_depth, strict=True)]
+                        tally.tried = [a + b for a, b in zip(tally.tried, s.tried_by_depth, strict=True)]
+                outputs[key].append(
+                    {
+                        "prompt": i,
+                        "seed": seed,
+                        "new_tokens": len(new),
+                        "target_calls": calls,
+                        "total_s": wall,
+                        "first_step_s": step_marks[0][0] - t0 if step_marks else wall,
+                        "first_step_tokens": min(step_marks[0][1], len(new)) if step_marks else len(new),
+                        "steady_s": t_end - step_marks[0][0] if step_marks else 0.0,
+                        "token_sha": _token_hash(new),
+                        "token_ids": new,
+                    }
+                )
+                be = f", block eff. {len(new) / calls:.2f}" if calls else ""
+                log(f"T={temperature} prompt {i} {spec.label}: {len(new)} tokens in {wall:.1f} s{be}")
+            write(complete=False)  # a snapshot after every prompt: a stopped run keeps its results
+    result = write(complete=True)
+    log(f"wrote {json_path} and {md_path} in {result['wall_s']:.0f} s")
+    print(markdown(result))
+    return 0
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

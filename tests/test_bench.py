@@ -1,0 +1,126 @@
+"""The benchmark on tiny models: schema of the JSON, and greedy speculative rows equal to the ar row."""
+
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+
+from rsd_runtime import bench
+from rsd_runtime.tiny import build_tiny_pair
+
+ROW_KEYS = {
+    "method",
+    "label",
+    "protocol",
+    "temperature",
+    "shape",
+    "depth",
+    "nodes",
+    "block_efficiency",
+    "mbsu",
+    "tokens_per_s",
+    "speedup_vs_ar",
+    "draft_s",
+    "verify_s",
+    "other_s",
+    "acceptance_by_depth",
+    "matches_ar",
+    "outputs",
+}
+
+
+def test_bench_tiny_schema_and_greedy_equality(tmp_path, capsys):
+    draft_dir, target_dir = build_tiny_pair(tmp_path / "models", "qwen2")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "w1 w2 w3 w4"}\n{"id": "b", "prompt": "w9 w8 w7"}\n')
+    argv = ["--draft", str(draft_dir), "--target", str(target_dir), "--prompts", str(prompts)]
+    argv += [
+        "--config",
+        "ar;rsd_c:2,2,1",
+        "--method",
+        "rsd_s:2x3",
+        "--method",
+        "hf_assisted:2",
+        "--temperatures",
+        "0,1",
+    ]
+    argv += [
+        "--max-new-tokens",
+        "8",
+        "--ignore-eos",
+        "--cost-reps",
+        "1",
+        "--tree-costs",
+        "--out-dir",
+        str(tmp_path / "out"),
+    ]
+    assert bench.main([*argv, "--name", "tiny"]) == 0
+    assert "| rsd_s |" in capsys.readouterr().out
+
+    result = json.loads((tmp_path / "out" / "tiny.json").read_text())
+    assert (tmp_path / "out" / "tiny.md").read_text().startswith("# tiny")
+    assert {"models", "machine", "prompts", "rows", "mbsu_formula", "forward_costs"} <= result.keys()
+    assert result["complete"] is True and "loadavg_end" in result["machine"]
+    assert result["models"]["target"]["params"] > result["models"]["draft"]["params"] > 0
+    assert result["machine"]["torch_threads"] == 1 and result["machine"]["cpu_model"]
+    assert result["prompts"]["count"] == 2 and result["prompts"]["source"] == str(prompts)
+    assert result["forward_costs"]["c"] > 0
+    assert set(result["forward_costs"]["target_ms_by_tokens"]) == {"1", "11", "7"}  # root + nodes
+    rows = {(r["label"], r["temperature"]): r for r in result["rows"]}
+    assert len(rows) == 8
+    for temp in (0.0, 1.0):  # the outside peer: no target-call count, so no block efficiency
+        hf = rows.pop(("hf_assisted:2", temp))
+        assert hf["block_efficiency"] is None and hf["mbsu"] is None and hf["tokens_per_s"] > 0
+        assert hf["new_tokens"] == 16 and hf["steady_tokens_per_s"] > 0
+    for (label, temp), row in rows.items():
+        assert row.keys() >= ROW_KEYS
+        assert row["new_tokens"] == 16 and len(row["outputs"]) == 2
+        assert all(len(o["token_ids"]) == 8 for o in row["outputs"])
+        assert row["speedup_vs_ar"] == pytest.approx(row["tokens_per_s"] / rows[("ar", temp)]["tokens_per_s"])
+        assert row["block_efficiency"] == pytest.approx(16 / row["target_calls"])
+        assert 0 < row["first_step_s"] < row["total_s"] and row["steady_tokens_per_s"] > 0
+        assert row["draft_s"] + row["verify_s"] + row["other_s"] == pytest.approx(row["total_s"])
+        if label == "ar":
+            assert row["block_efficiency"] == 1 and row["mbsu"] == 1 and row["nodes"] == 0
+        else:
+            assert 1 <= row["block_efficiency"] <= row["depth"] + 1
+            c = result["forward_costs"]["c"]
+            assert row["mbsu"] == pytest.approx(row["block_efficiency"] / (1 + c * row["draft_forwards_per_step"]))
+        # at T = 0 every speculative method must produce exactly the target's greedy tokens
+        assert row["matches_ar"] is (True if temp == 0 else None)
+    assert rows[("rsd_c:2,2,1", 0.0)]["nodes"] == 2 + 4 + 4
+    assert rows[("rsd_s:2x3", 0.0)]["depth"] == 3
+    greedy_ar = [o["token_ids"] for o in rows[("ar", 0.0)]["outputs"]]
+    for label in ("rsd_c:2,2,1", "rsd_s:2x3"):
+        assert [o["token_ids"] for o in rows[(label, 0.0)]["outputs"]] == greedy_ar
+
+
+def test_parse_config_and_errors():
+    specs = bench.parse_config("ar; sd:4 ;specinfer:2,2,1;spectr:2x4;rsd_c;rsd_s:3x4;hf_assisted:3")
+    assert [s.label for s in specs] == [
+        "ar",
+        "sd:4",
+        "specinfer:2,2,1",
+        "spectr:2x4",
+        "rsd_c:2,2,1",
+        "rsd_s:3x4",
+        "hf_assisted:3",
+    ]
+    assert specs[5].method().max_draft_tokens == 12
+    for bad in ("xx:1", "sd:2x2", "rsd_s:3", "ar:2", "hf_assisted:k", ""):
+        with pytest.raises(ValueError):
+            bench.parse_config(bad)
+    assert bench.parse_temperatures("0, 0.7,1") == [0.0, 0.7, 1.0]
+    with pytest.raises(ValueError):
+        bench.parse_temperatures("-1")
+
+
+def test_stdlib_prompts_are_fixed_and_cut_after_docstring():
+    first, again = bench.stdlib_prompts(5, seed=0), bench.stdlib_prompts(5, seed=0)
+    assert first == again and len({p["id"] for p in first}) == 5
+    for p in first:
+        assert p["prompt"].lstrip().startswith(("def ", "async def ", "@"))
+        assert p["prompt"].rstrip().endswith(('"""', "'''"))
+    assert bench.stdlib_prompts(5, seed=1) != first
