@@ -470,3 +470,19 @@ def test_verifier_death_mid_run_is_unavailable(models):
 
     committed, tokens = asyncio.run(main())
     assert tokens == reference(models, committed, Method.parse("rsd_c", "2,2,1"), SamplingParams(0), 0, new_tokens=8)
+
+
+def test_batcher_skips_the_wait_when_every_open_session_is_queued():
+    """A lone session must not pay batch_wait_ms per step: with an hour-long wait configured, the
+    gather returns at once when every session with an open stream has a tree queued."""
+    from verifier_service.batcher import Batcher, _Pending
+    from verifier_service.engine import VerifyRequest
+
+    async def run() -> None:
+        batcher = Batcher(engine=None, max_batch_nodes=512, batch_wait_ms=3_600_000)
+        batcher.open_sessions = lambda: 1
+        request = VerifyRequest("a", [1, 2], None, None, None)
+        batcher._pending.append(_Pending(request, 3, lambda v, i: None, asyncio.get_running_loop().create_future()))
+        await asyncio.wait_for(batcher._gather_more(), timeout=60)
+
+    asyncio.run(run())

@@ -67,6 +67,10 @@ class Batcher:
         self._pending: deque[_Pending] = deque()
         self._wake = asyncio.Event()
         self._worker: asyncio.Task | None = None
+        # Sessions that may still submit a tree (the servicer counts open Verify streams): when all
+        # of them are queued already, waiting for more only adds latency (a lone session paid
+        # ~batch_wait_ms per step before this).
+        self.open_sessions: Callable[[], int] | None = None
 
     def start(self) -> None:
         if self._worker is None:
@@ -116,6 +120,9 @@ class Batcher:
         """Wait until batch_wait_s after the oldest arrival or until the node budget is full."""
         deadline = self._pending[0].submitted + self.batch_wait_s
         while sum(p.num_nodes for p in self._pending) < self.max_batch_nodes:
+            queued = {p.request.session_id for p in self._pending}
+            if self.open_sessions is not None and len(queued) >= self.open_sessions():
+                return
             left = deadline - time.perf_counter()
             if left <= 0:
                 return

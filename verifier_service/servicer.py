@@ -63,6 +63,7 @@ class _Session:
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def __init__(self, engine: BatchedVerifier, batcher: Batcher, verifier_id: str, max_tree_nodes: int):
         self.engine, self.batcher = engine, batcher
+        batcher.open_sessions = lambda: len(self._open_streams)
         self.verifier_id, self.max_tree_nodes = verifier_id, max_tree_nodes
         self.sessions: dict[str, _Session] = {}
         self._open_streams: dict[str, int] = {}  # session -> Verify streams that sent it a tree
