@@ -44,6 +44,13 @@ def _add_generate(sub) -> None:
     p.add_argument("--draft-top-p", type=float, default=1.0)
     p.add_argument("--max-len", type=int, default=2048, help="KV cache capacity per model, in tokens")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument(
+        "--small-batch-linear",
+        type=int,
+        default=0,
+        metavar="ROWS",
+        help="compute linear layers as weight @ x.T up to ROWS rows (fast trees on CPU; 0 = off)",
+    )
     p.add_argument("--server", metavar="HOST:PORT", help="generate through the gateway at HOST:PORT")
     p.add_argument("--session-id", default="", help="with --server: continue this session with the prompt as its turn")
     p.add_argument("--stop", action="append", default=[], help="with --server: a stop sequence (repeatable)")
@@ -116,7 +123,7 @@ def generate(args) -> int:
     from rsd.methods import Method
     from rsd.sampling import SamplingParams
     from rsd_runtime.generator import SpeculativeGenerator
-    from rsd_runtime.models import load_model, load_tokenizer
+    from rsd_runtime.models import load_model, load_tokenizer, use_small_batch_linear
     from rsd_runtime.runner import ModelRunner
 
     hf_logging.disable_progress_bar()
@@ -130,11 +137,18 @@ def generate(args) -> int:
     draft_dir, target_dir = _model_dirs(args)
     print(f"loading target {target_dir} ({args.target_device}, {args.target_dtype})", file=sys.stderr)
     tokenizer = load_tokenizer(target_dir)
-    target = ModelRunner(load_model(target_dir, args.target_device, args.target_dtype), args.max_len)
+
+    def load(path, device, dtype):
+        model = load_model(path, device, dtype)
+        if args.small_batch_linear:
+            use_small_batch_linear(model, args.small_batch_linear)
+        return ModelRunner(model, args.max_len)
+
+    target = load(target_dir, args.target_device, args.target_dtype)
     draft = None
     if method is not None:
         print(f"loading draft {draft_dir} ({args.draft_device}, {args.draft_dtype})", file=sys.stderr)
-        draft = ModelRunner(load_model(draft_dir, args.draft_device, args.draft_dtype), args.max_len)
+        draft = load(draft_dir, args.draft_device, args.draft_dtype)
     gen = SpeculativeGenerator(target, draft, args.draft_top_k, args.draft_top_p)
     prompt_ids = tokenizer.encode(args.prompt)
     eos = tuple(i for i in [tokenizer.eos_token_id] if i is not None)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
+from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
@@ -36,6 +37,30 @@ def load_model(
     model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
     model.to(torch.device(device)).eval().requires_grad_(False)
     return model
+
+
+def use_small_batch_linear(model: torch.nn.Module, max_rows: int = 64) -> int:
+    """Compute every nn.Linear as weight @ x.T when the input has at most max_rows rows.
+
+    On CPU, F.linear with a handful of rows is far slower than the same product written the
+    other way round (Qwen2.5-1.5B up_proj, 2 threads: 4 rows 34 ms vs 8.7 ms; 13 rows 42 vs 28),
+    and a draft tree or a tree verification is exactly a handful of rows. Results differ from
+    F.linear only by float rounding. Returns the number of layers changed.
+    """
+
+    def forward(self: torch.nn.Linear, x: Tensor) -> Tensor:
+        rows = x.reshape(-1, x.shape[-1])  # [R, in]
+        if rows.shape[0] > max_rows:
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        out = (self.weight @ rows.T).T  # [R, out]
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    for layer in layers:
+        layer.forward = forward.__get__(layer)
+    return len(layers)
 
 
 def load_tokenizer(path: str | Path, gguf_file: str | None = None) -> PreTrainedTokenizerBase:

@@ -135,3 +135,29 @@ def test_first_tokens_follow_target_law(tiny_vocab_pair, name, shape, params):
         key = tuple(out.token_ids)
         counts[key] = counts.get(key, 0) + 1
     assert chi_square_pvalue(counts, target_law_two_tokens(target, prompt, params), n) > 1e-4
+
+
+def test_small_batch_linear_keeps_greedy_output(pair):
+    """weight @ x.T instead of F.linear changes only float rounding: the tree logits stay within the
+    runner's tolerance and greedy speculative output is still the target's own."""
+    from rsd_runtime.models import use_small_batch_linear
+
+    draft, target = pair
+    prompt = PROMPTS[0]
+    expected = target_greedy(target, prompt, 12)
+    plain = ModelRunner(target, 256)
+    plain.forward(torch.tensor(prompt), torch.tensor(list(range(-1, len(prompt) - 1))))
+    before = plain.forward(torch.tensor([40, 41]), torch.tensor([-1, -1]))
+    assert use_small_batch_linear(target, max_rows=64) > 0 and use_small_batch_linear(draft, max_rows=64) > 0
+    try:
+        fast = ModelRunner(target, 256)
+        fast.forward(torch.tensor(prompt), torch.tensor(list(range(-1, len(prompt) - 1))))
+        after = fast.forward(torch.tensor([40, 41]), torch.tensor([-1, -1]))
+        assert (after - before).abs().max() < 1e-4
+        gen = SpeculativeGenerator(ModelRunner(target, 256), ModelRunner(draft, 256))
+        out = gen.generate(prompt, Method.parse("rsd_s", "3x3"), SamplingParams(0), max_new_tokens=12)
+        assert out.token_ids == expected
+    finally:
+        for model in (target, draft):
+            for m in model.modules():
+                m.__dict__.pop("forward", None)  # restore nn.Linear.forward for the other tests
