@@ -48,8 +48,7 @@ class DrafterHandle:
     async def drain(self) -> None:
         """Leave the registry; running sessions finish during server.stop."""
         if self.heartbeat is not None:
-            await self.heartbeat.stop(unregister=True)
-            self.heartbeat.store.client.close()
+            await self.heartbeat.close()
             self.heartbeat = None
 
     async def close(self, server: grpc.aio.Server, grace_s: float | None = None) -> None:
@@ -82,8 +81,8 @@ async def create_server(
         try:
             await handle.heartbeat.start()
         except Exception:
+            await handle.heartbeat.close(unregister=False)
             handle.heartbeat = None
-            store.client.close()
             await server.stop(0)
             raise
     log.info("drafter %s on %s: %d sessions, max_len %d", drafter_id, address, config.max_sessions, config.max_len)

@@ -134,7 +134,7 @@ class Heartbeat:
         heartbeat = Heartbeat(store, lambda: ServiceInfo("verifier", id, address, capacity, load), 2.0, 6.0)
         await heartbeat.start()        # raises if the registry is unreachable
         ...
-        await heartbeat.stop(unregister=True)
+        await heartbeat.close()        # stop, unregister, close the store's client
     """
 
     def __init__(self, store: Any, info: Callable[[], Any], every_s: float, ttl_s: float):
@@ -158,6 +158,11 @@ class Heartbeat:
                 await asyncio.to_thread(self.store.unregister_service, info.role, info.service_id)
             except Exception as e:  # the entry expires anyway
                 logging.getLogger(__name__).warning("unregister %s failed: %s", info.service_id, e)
+
+    async def close(self, unregister: bool = True) -> None:
+        """stop(), then close the store's client: the heartbeat owns that connection."""
+        await self.stop(unregister)
+        self.store.client.close()
 
     async def _beat(self) -> None:
         await asyncio.to_thread(self.store.register_service, self.info(), self.ttl_s)

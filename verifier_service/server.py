@@ -50,8 +50,7 @@ class VerifierHandle:
     async def drain(self) -> None:
         """Leave the registry (new sessions go elsewhere); in-flight streams finish during server.stop."""
         if self.heartbeat is not None:
-            await self.heartbeat.stop(unregister=True)
-            self.heartbeat.store.client.close()
+            await self.heartbeat.close()
             self.heartbeat = None
 
     async def close(self, server: grpc.aio.Server, grace_s: float | None = None) -> None:
@@ -88,8 +87,8 @@ async def create_server(
         try:
             await handle.heartbeat.start()  # fail fast on a wrong URL
         except Exception:
+            await handle.heartbeat.close(unregister=False)
             handle.heartbeat = None
-            store.client.close()
             await handle.close(server, 0)
             raise
     log.info("verifier %s on %s: %d slots, max_len %d", handle.verifier_id, address, config.num_slots, config.max_len)
