@@ -6,7 +6,7 @@ RSD_DRAFTER_<FIELD> environment variables, then --field flags (e.g. --proposal-t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,28 @@ class DrafterConfig:
     drain_s: float = 10.0
     # torch intra-op threads (0 = torch's default).
     threads: int = 0
+    # Security (rsd_runtime.security). TLS: tls_cert + tls_key (PEM files); with tls_ca as well,
+    # clients must present a certificate that CA signed (mTLS). internal_token: the shared secret of
+    # the internal hops (`authorization: Bearer <token>`), as a value (env RSD_DRAFTER_INTERNAL_TOKEN)
+    # or a file; "" = no check. gRPC health and reflection need no token.
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+    internal_token: str = field(default="", repr=False)
+    internal_token_file: str = ""
+    # Dialing the verifier: TLS when peer_tls_ca is set (the CA of their certificates), a client
+    # certificate for mTLS (peer_tls_cert + peer_tls_key); internal_token is sent on every call.
+    peer_tls_ca: str = ""
+    peer_tls_cert: str = ""
+    peer_tls_key: str = ""
+    # Limits: largest gRPC message either way, and calls served at once (more: RESOURCE_EXHAUSTED
+    # from gRPC itself; 0 = no limit).
+    max_message_bytes: int = 64 * 1024 * 1024
+    max_concurrent_rpcs: int = 1024
+    # Operations: Prometheus exporter on metrics_port (0 = off; plain HTTP on host); logs as
+    # "text" or "json" (one object per line, with the call's session and request ids).
+    metrics_port: int = 0
+    log_format: str = "text"
 
     def __post_init__(self) -> None:
         checks = {
@@ -63,6 +85,10 @@ class DrafterConfig:
             "drain_s": self.drain_s >= 0,
             "threads": self.threads >= 0,
             "port": 0 <= self.port < 65536,
+            "max_message_bytes": self.max_message_bytes >= 1024,
+            "max_concurrent_rpcs": self.max_concurrent_rpcs >= 0,
+            "metrics_port": 0 <= self.metrics_port < 65536,
+            "log_format": self.log_format in ("text", "json"),
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:

@@ -22,6 +22,7 @@ picks; today drafting and verifying alternate.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -37,8 +38,15 @@ from rsd.sampling import SamplingParams
 from rsd.tree import DraftTree, path_to
 from rsd_runtime.generator import Drafter, session_generators
 from rsd_runtime.runner import ModelRunner
-from rsd_wire import GRPC_OPTIONS, common_pb2, verifier_pb2, verifier_pb2_grpc
+from rsd_runtime.security import channel, peer_security
+from rsd_wire import common_pb2, verifier_pb2, verifier_pb2_grpc
 from rsd_wire.convert import draft_tree_to_proto, verdict_from_proto
+
+log = logging.getLogger(__name__)
+# A verdict not back within VERIFY_TIMEOUT_S, or a Verify stream that broke, is resent on a fresh stream,
+# VERIFY_ATTEMPTS times in all (config fields later: DrafterConfig is owned elsewhere).
+VERIFY_TIMEOUT_S = 60.0
+VERIFY_ATTEMPTS = 3
 
 
 class DraftPoolFullError(RuntimeError):
@@ -107,6 +115,7 @@ class DrafterEngine:
         self._slots: OrderedDict[str, _Slot] = OrderedDict()  # session -> runner, least recently used first
         self._running: dict[str, _Running] = {}
         self.last_attach: dict[str, verifier_pb2.AttachResponse] = {}  # session -> its latest AttachResponse
+        self.verifier_security = peer_security(config)  # TLS and the internal token when dialing verifiers
 
     @property
     def num_running(self) -> int:
@@ -185,10 +194,10 @@ class DrafterEngine:
             return
         drafter = Drafter(slot.runner, self.config.proposal_top_k, self.config.proposal_top_p)
         draft_gen, _ = session_generators(job.seed)
-        async with grpc.aio.insecure_channel(job.verifier_address, options=GRPC_OPTIONS) as channel:
-            stub = verifier_pb2_grpc.VerifierStub(channel)
+        async with channel(job.verifier_address, self.verifier_security) as verifier_channel:
+            stub = verifier_pb2_grpc.VerifierStub(verifier_channel)
             await self._attach(stub, job)
-            call = stub.Verify()
+            call = _VerifyStream(stub)
             try:
                 while True:
                     if cancel.is_set():
@@ -202,7 +211,7 @@ class DrafterEngine:
                     msg = draft_tree_to_proto(
                         tree, session_id=job.session_id, epoch=job.epoch, root_position=len(committed) - 1
                     )
-                    reply = await _exchange(call, msg, cancel)
+                    reply = await call.exchange(msg, cancel)
                     if reply is None:
                         yield StepResult(len(committed), [], None, common_pb2.FINISH_REASON_CANCELLED)
                         return
@@ -242,6 +251,36 @@ class DrafterEngine:
                 f"method {job.method.name} drafts up to {nodes} nodes; the verifier takes {reply.max_tree_nodes}"
             )
         self.last_attach[job.session_id] = reply
+
+
+class _VerifyStream:
+    """The run's Verify stream, with a deadline per step. A step that times out or whose stream broke is
+    resent, the very same tree, on a fresh stream: the verifier keys a step by (session, epoch, root
+    position) and answers a repeated tree with the verdict it stored, so its cache grows once."""
+
+    def __init__(self, stub: verifier_pb2_grpc.VerifierStub):
+        self.stub, self.call = stub, stub.Verify()
+
+    async def exchange(self, msg: verifier_pb2.DraftTree, cancel: asyncio.Event) -> verifier_pb2.Verdict | None:
+        for attempt in range(1, VERIFY_ATTEMPTS + 1):
+            try:
+                return await asyncio.wait_for(_exchange(self.call, msg, cancel), VERIFY_TIMEOUT_S)
+            except TimeoutError:
+                error = VerifierFailedError(grpc.StatusCode.UNAVAILABLE, f"no verdict in {VERIFY_TIMEOUT_S} s")
+            except VerifierFailedError as e:
+                if e.code != grpc.StatusCode.UNAVAILABLE:  # the verifier refused the step: a retry would too
+                    raise
+                error = e
+            if attempt == VERIFY_ATTEMPTS:
+                raise error
+            log.warning("session %s step at %d: %s; resending (%d)", msg.session_id, msg.root_position, error, attempt)
+            self.call.cancel()
+            await asyncio.sleep(0.05 * attempt)
+            self.call = self.stub.Verify()
+        raise AssertionError("unreachable")
+
+    def cancel(self) -> None:
+        self.call.cancel()
 
 
 async def _exchange(

@@ -21,8 +21,17 @@ from drafter_service.config import DrafterConfig
 from drafter_service.engine import DrafterEngine
 from drafter_service.servicer import DrafterServicer
 from gateway.store import RedisSessionStore, ServiceInfo
+from rsd_runtime.metrics import DrafterMetrics
 from rsd_runtime.models import load_model
-from rsd_runtime.serving import Heartbeat, default_service_id, load_config, serve_until_signal, start_server
+from rsd_runtime.security import server_security
+from rsd_runtime.serving import (
+    Heartbeat,
+    default_service_id,
+    load_config,
+    serve_until_signal,
+    setup_logging,
+    start_server,
+)
 from rsd_wire import drafter_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -39,6 +48,7 @@ class DrafterHandle:
     engine: DrafterEngine
     servicer: DrafterServicer
     health: health.aio.HealthServicer
+    metrics: DrafterMetrics
     heartbeat: Heartbeat | None = None
 
     def service_info(self) -> ServiceInfo:
@@ -54,6 +64,7 @@ class DrafterHandle:
     async def close(self, server: grpc.aio.Server, grace_s: float | None = None) -> None:
         await self.drain()
         await server.stop(grace_s)
+        self.metrics.close()
 
 
 async def create_server(
@@ -69,12 +80,25 @@ async def create_server(
         model = await asyncio.to_thread(load_model, config.model, config.device, config.dtype)
     engine = DrafterEngine(model, config)
     servicer = DrafterServicer(engine)
+    metrics = DrafterMetrics(engine)
     server, port, health_servicer = await start_server(
-        [(drafter_pb2_grpc.add_DrafterServicer_to_server, servicer)], [SERVICE_NAME], config.host, config.port
+        [(drafter_pb2_grpc.add_DrafterServicer_to_server, servicer)],
+        [SERVICE_NAME],
+        config.host,
+        config.port,
+        security=server_security(config, "internal_token"),
+        interceptors=[metrics.interceptor()],
+        max_message_bytes=config.max_message_bytes,
+        max_concurrent_rpcs=config.max_concurrent_rpcs,
     )
     drafter_id = config.drafter_id or default_service_id("drafter", config.host, port)
     address = config.advertise_address or f"{config.host}:{port}"
-    handle = DrafterHandle(config, drafter_id, address, engine, servicer, health_servicer)
+    handle = DrafterHandle(config, drafter_id, address, engine, servicer, health_servicer, metrics)
+    try:
+        metrics.serve(config.host, config.metrics_port)
+    except Exception:
+        await handle.close(server, 0)
+        raise
     if config.redis_url:
         store = RedisSessionStore(redis.Redis.from_url(config.redis_url), namespace=config.redis_namespace)
         handle.heartbeat = Heartbeat(store, handle.service_info, config.heartbeat_s, config.registration_ttl_s)
@@ -83,7 +107,7 @@ async def create_server(
         except Exception:
             await handle.heartbeat.close(unregister=False)
             handle.heartbeat = None
-            await server.stop(0)
+            await handle.close(server, 0)
             raise
     log.info("drafter %s on %s: %d sessions, max_len %d", drafter_id, address, config.max_sessions, config.max_len)
     return server, port, handle
@@ -98,6 +122,6 @@ async def serve(config: DrafterConfig) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = load_config(DrafterConfig, "drafter", sys.argv[1:] if argv is None else argv)
+    setup_logging(config.log_format)
     asyncio.run(serve(config))

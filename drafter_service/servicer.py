@@ -47,6 +47,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             await context.abort(code, details)
 
     async def Cancel(self, request: drafter_pb2.CancelRunRequest, context) -> drafter_pb2.CancelRunResponse:
+        if not _SESSION_ID.fullmatch(request.session_id):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"session_id: got {request.session_id[:140]!r}")
         return drafter_pb2.CancelRunResponse(was_running=self.engine.cancel(request.session_id, request.epoch))
 
     def validate(self, request: drafter_pb2.RunRequest) -> RunJob:

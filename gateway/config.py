@@ -10,7 +10,7 @@ the live services from the registry in Redis (gateway.store: register_service / 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rsd.methods import Method
 
@@ -44,6 +44,32 @@ class GatewayConfig:
     health_timeout_s: float = 1.0  # probe after a failure: is the drafter / verifier still up?
     resume_poll_s: float = 0.05  # a resumed stream following another gateway's turn polls the store
     drain_s: float = 10.0  # grace for running turns on SIGTERM
+    # A turn generating longer than this ends with DEADLINE_EXCEEDED; the tokens it committed stay in
+    # the session (continue or resume it). 0 = no limit.
+    request_timeout_s: float = 600.0
+    # Security (rsd_runtime.security). The public API: TLS with tls_cert + tls_key (PEM files), client
+    # certificates signed by tls_ca required when it is set (mTLS), and a bearer token (auth_token as a
+    # value, e.g. env RSD_GATEWAY_AUTH_TOKEN, or auth_token_file; "" = none) that every call but gRPC
+    # health and reflection must carry as `authorization: Bearer <token>`.
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+    auth_token: str = field(default="", repr=False)
+    auth_token_file: str = ""
+    # Dialing drafters and verifiers: TLS when peer_tls_ca is set (the CA of their certificates), a client
+    # certificate for mTLS (peer_tls_cert + peer_tls_key), and the internal shared secret on every call.
+    peer_tls_ca: str = ""
+    peer_tls_cert: str = ""
+    peer_tls_key: str = ""
+    internal_token: str = field(default="", repr=False)
+    internal_token_file: str = ""
+    # Limits of the public port: largest message (requests are text or token ids, replies small deltas)
+    # and calls at once, resumes included (more: RESOURCE_EXHAUSTED from gRPC; 0 = no limit).
+    max_message_bytes: int = 4 * 1024 * 1024
+    max_concurrent_rpcs: int = 1024
+    # Operations: Prometheus exporter on metrics_port (0 = off; plain HTTP on host); logs "text" or "json".
+    metrics_port: int = 0
+    log_format: str = "text"
 
     def __post_init__(self) -> None:
         Method.parse(self.default_method, self.default_shape)  # ValueError names the problem
@@ -54,6 +80,12 @@ class GatewayConfig:
             raise ValueError("default_max_new_tokens must not exceed max_new_tokens_limit")
         if self.max_running_turns < 1 or self.max_failovers < 0:
             raise ValueError("max_running_turns must be >= 1 and max_failovers >= 0")
+        if self.request_timeout_s < 0 or self.max_message_bytes < 1024 or self.max_concurrent_rpcs < 0:
+            raise ValueError("request_timeout_s and max_concurrent_rpcs must be >= 0, max_message_bytes >= 1024")
+        if not 0 <= self.metrics_port < 65536 or self.log_format not in ("text", "json"):
+            raise ValueError(
+                f"metrics_port must be a port (0 = off) and log_format text or json, got {self.log_format!r}"
+            )
         parse_services(self.drafters, "drafters")
         parse_services(self.verifiers, "verifiers")
 

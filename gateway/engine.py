@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.config import GatewayConfig, parse_services
@@ -44,10 +45,9 @@ from gateway.store import (
     SessionStore,
     _check_id,
 )
-from rsd.methods import Method
 from rsd.sampling import SamplingParams
+from rsd_runtime import security
 from rsd_wire import (
-    GRPC_OPTIONS,
     common_pb2,
     drafter_pb2,
     drafter_pb2_grpc,
@@ -55,6 +55,7 @@ from rsd_wire import (
     verifier_pb2,
     verifier_pb2_grpc,
 )
+from rsd_wire.convert import parse_method
 
 log = logging.getLogger("rsd.gateway")
 
@@ -62,6 +63,12 @@ DEFAULT_SHAPES = {"sd": "4", "specinfer": "2,2,1", "spectr": "3x4", "rsd_c": "2,
 _CONTEXT_TOKENS = 6  # committed tokens decoded in front of new ones, so spacing and merges come out right
 _MAX_REQUEST_ID = 128
 _MAX_STOP_CHARS = 256
+# A running turn refreshes its session every TURN_LEASE_S / 3 (the store's updated_unix_ms); a RUNNING
+# session not refreshed for TURN_LEASE_S lost its gateway, and a resume on any gateway takes the turn
+# over with a new epoch. (A config field later: GatewayConfig is owned elsewhere.)
+TURN_LEASE_S = 5.0
+# How long a store call is retried while Redis is unreachable (a restart) before the turn fails UNAVAILABLE.
+STORE_RETRY_S = 15.0
 
 _STATUS_TO_PROTO = {
     SessionStatus.PENDING: gateway_pb2.SESSION_STATUS_PENDING,
@@ -70,6 +77,12 @@ _STATUS_TO_PROTO = {
     SessionStatus.CANCELLED: gateway_pb2.SESSION_STATUS_CANCELLED,
     SessionStatus.FAILED: gateway_pb2.SESSION_STATUS_FAILED,
 }
+
+
+def _lease_expired(record: SessionRecord) -> bool:
+    """No gateway has refreshed the session's running turn for TURN_LEASE_S (wall clocks of the gateways
+    are compared: keep them in sync, as any lease does)."""
+    return time.time() * 1000 - record.updated_unix_ms > TURN_LEASE_S * 1000
 
 
 class RequestError(ValueError):
@@ -90,6 +103,13 @@ class TurnFailed(Exception):
     def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.INTERNAL):
         super().__init__(message)
         self.code = code
+
+
+class StoreUnavailable(TurnFailed):
+    """The session store stayed unreachable for STORE_RETRY_S (UNAVAILABLE: retry, nothing committed is lost)."""
+
+    def __init__(self, error: Exception):
+        super().__init__(f"session store unavailable: {error}", grpc.StatusCode.UNAVAILABLE)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,7 +238,7 @@ def validate_params(params: Mapping[str, Any], config: GatewayConfig) -> None:
     except ValueError as e:
         raise RequestError(f"params.sampling: {e}") from None
     try:
-        Method.parse(params["method"], params["shape"])
+        parse_method(params["method"], params["shape"])
     except ValueError as e:
         raise RequestError(f"params.method: {e}") from None
     if not 1 <= params["max_new_tokens"] <= config.max_new_tokens_limit:
@@ -307,6 +327,13 @@ class ServiceDirectory:
 
         return min(services, key=lambda s: (load(s), s.service_id))
 
+    def hold(self, services: Sequence[ServiceInfo], n: int) -> None:
+        """Count (+1) or uncount (-1) this gateway's runs on services. A pick is held at once, before any
+        await: concurrent new sessions then see each other and spread instead of all taking one verifier."""
+        for s in services:
+            key = (s.role, s.service_id)
+            self.assigned[key] = self.assigned.get(key, 0) + n
+
     async def address(self, role: str, service_id: str) -> str | None:
         for s in await self.live(role):
             if s.service_id == service_id:
@@ -315,14 +342,15 @@ class ServiceDirectory:
 
 
 class Channels:
-    """One grpc.aio channel per address, opened on first use."""
+    """One grpc.aio channel per address, opened on first use, with the gateway's peer TLS and internal token."""
 
-    def __init__(self) -> None:
+    def __init__(self, peer: security.ClientSecurity | None = None) -> None:
+        self.peer = peer
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def get(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+            self._channels[address] = security.channel(address, self.peer)
         return self._channels[address]
 
     def drafter(self, address: str) -> drafter_pb2_grpc.DrafterStub:
@@ -381,11 +409,22 @@ class GatewayEngine:
         self.vocab_size = len(tokenizer)
         self.eos_token_ids = [i for i in [tokenizer.eos_token_id] if i is not None]
         self.services = ServiceDirectory(store, config)
-        self.channels = Channels()
+        self.channels = Channels(security.peer_security(config))
         self._turns: dict[str, _Turn] = {}
 
     async def _store(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return await asyncio.to_thread(fn, *args, **kwargs)
+        """A store call in a thread, retried while Redis is unreachable (e.g. restarting) for STORE_RETRY_S.
+        Every store write is a compare-and-set, so a retry of one that did land is refused, never doubled."""
+        deadline, delay = time.monotonic() + STORE_RETRY_S, 0.05
+        while True:
+            try:
+                return await asyncio.to_thread(fn, *args, **kwargs)
+            except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as e:
+                if time.monotonic() > deadline:
+                    raise StoreUnavailable(e) from None
+                log.warning("session store unreachable (%s); retrying", e)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -452,7 +491,8 @@ class GatewayEngine:
         msg_params = request.params if request.HasField("params") else None
         if request.session_id:
             record = await self._store(self.store.get_session, request.session_id)
-            if record.status == SessionStatus.RUNNING or request.session_id in self._turns:
+            running = record.status == SessionStatus.RUNNING and not _lease_expired(record)
+            if running or request.session_id in self._turns:  # an expired lease: its gateway died, go on
                 raise SessionBusy(f"session {request.session_id!r} is already generating")
             params = merge_params(record.params, msg_params)
         else:
@@ -462,16 +502,17 @@ class GatewayEngine:
         if params.get("seed") is None:
             params["seed"] = secrets.randbits(63)
         committed_before = 0 if record is None else record.committed_length
+        params["turn_start"] = committed_before + len(input_ids)  # for a gateway that takes the turn over
         total = committed_before + len(input_ids) + params["max_new_tokens"]
         if total > self.config.max_session_tokens:
             raise RequestError(
                 f"session would reach {total} tokens, more than max_session_tokens {self.config.max_session_tokens}"
             )
         drafter, verifier = await self._choose("" if record is None else record.kv.verifier_id)
-        if record is None:
-            session_id = uuid.uuid4().hex
-            record = await self._store(self.store.create_session, session_id, input_ids, params)
+        self.services.hold((drafter, verifier), +1)  # _drive releases it; so does a failure before _drive
         try:
+            if record is None:
+                record = await self._store(self.store.create_session, uuid.uuid4().hex, input_ids, params)
             epoch = await self._store(
                 self.store.begin_epoch, record.session_id, record.epoch, drafter.service_id, verifier.service_id
             )
@@ -479,10 +520,13 @@ class GatewayEngine:
                 await self._store(self.store.append_tokens, record.session_id, committed_before, input_ids, epoch)
                 await self._store(self.store.update_session, record.session_id, params=params, epoch=epoch)
         except SessionConflict as e:
+            self.services.hold((drafter, verifier), -1)
             raise SessionBusy(f"session {record.session_id!r} changed under this request: {e}") from None
-        except Exception:
-            with contextlib.suppress(Exception):  # do not leave the session RUNNING with no turn behind it
-                await self._store(self.store.update_session, record.session_id, status=SessionStatus.FAILED)
+        except BaseException:
+            self.services.hold((drafter, verifier), -1)
+            if record is not None:
+                with contextlib.suppress(Exception):  # do not leave the session RUNNING with no turn behind it
+                    await self._store(self.store.update_session, record.session_id, status=SessionStatus.FAILED)
             raise
         turn = _Turn(record.session_id, params, committed_before + len(input_ids), epoch, drafter, verifier)
         self._turns[turn.session_id] = turn
@@ -512,13 +556,11 @@ class GatewayEngine:
 
     async def _drive(self, turn: _Turn) -> None:
         """The turn, in the background: runs, failovers, the final status; events go to turn.events."""
-        t0 = time.perf_counter()
-        for s in (turn.drafter, turn.verifier):
-            key = (s.role, s.service_id)
-            self.services.assigned[key] = self.services.assigned.get(key, 0) + 1
+        t0 = time.perf_counter()  # the caller holds turn.drafter and turn.verifier (ServiceDirectory.hold)
         status = SessionStatus.FAILED
+        lease = asyncio.create_task(self._keep_lease(turn), name=f"lease-{turn.session_id}")
         try:
-            reason, position, num_steps = await self._run_turn(turn)
+            reason, position, num_steps = await self._run_turn_in_time(turn)
             status = SessionStatus.CANCELLED if reason == common_pb2.FINISH_REASON_CANCELLED else SessionStatus.FINISHED
             await turn.events.put(
                 gateway_pb2.GenerateEvent(
@@ -534,17 +576,63 @@ class GatewayEngine:
             )
         except BaseException as e:
             log.warning("session %s turn failed: %s", turn.session_id, e)
+            if isinstance(e, SessionConflict):  # a newer epoch began elsewhere (a takeover)
+                e = TurnFailed(f"session {turn.session_id!r} moved on without this turn: {e}", grpc.StatusCode.ABORTED)
             await turn.events.put(e)
             if isinstance(e, asyncio.CancelledError):
                 raise
         finally:
-            for s in (turn.drafter, turn.verifier):
-                self.services.assigned[(s.role, s.service_id)] -= 1
+            lease.cancel()
+            self.services.hold((turn.drafter, turn.verifier), -1)
             self._turns.pop(turn.session_id, None)
             with contextlib.suppress(SessionConflict, SessionNotFound):
                 await self._store(self.store.update_session, turn.session_id, status=status, epoch=turn.epoch)
             if status == SessionStatus.CANCELLED:
                 await self._release(turn.verifier, turn.session_id, turn.epoch)
+
+    async def _keep_lease(self, turn: _Turn) -> None:
+        """Touch the session (updated_unix_ms) while the turn runs: the lease other gateways check."""
+        while True:
+            await asyncio.sleep(TURN_LEASE_S / 3)
+            try:
+                await asyncio.to_thread(self.store.update_session, turn.session_id, epoch=turn.epoch)
+            except SessionConflict:
+                return  # the epoch moved on: a failover of this turn renews with the new one, or we lost it
+            except Exception as e:  # the store is away for a moment; the next beat retries
+                log.warning("session %s: lease refresh failed: %s", turn.session_id, e)
+
+    async def _take_over(self, record: SessionRecord) -> None:
+        """Continue a RUNNING turn whose gateway stopped refreshing its lease: a new epoch (compare-and-set, so
+        one gateway wins; the old run's late writes are refused) and a run from the committed tokens."""
+        params = dict(record.params)
+        drafter, verifier = await self._choose(record.kv.verifier_id, record.drafter_id)
+        self.services.hold((drafter, verifier), +1)
+        try:
+            epoch = await self._store(
+                self.store.begin_epoch, record.session_id, record.epoch, drafter.service_id, verifier.service_id
+            )
+        except BaseException as e:
+            self.services.hold((drafter, verifier), -1)
+            if isinstance(e, SessionConflict):
+                return  # another gateway took it first; keep following the store
+            raise
+        turn_start = int(params.get("turn_start", record.committed_length))
+        turn = _Turn(record.session_id, params, turn_start, epoch, drafter, verifier)
+        self._turns[turn.session_id] = turn
+        turn.task = asyncio.create_task(self._drive(turn), name=f"turn-{turn.session_id}")
+        log.warning("session %s: took over a turn with a stale lease, epoch %d", turn.session_id, epoch)
+
+    async def _run_turn_in_time(self, turn: _Turn) -> tuple[int, int, int]:
+        """_run_turn within request_timeout_s; past it the run is cancelled (closing the Run stream stops the
+        drafter) and the turn fails DEADLINE_EXCEEDED. What it committed stays in the session."""
+        timeout_s = self.config.request_timeout_s
+        try:
+            return await asyncio.wait_for(self._run_turn(turn), timeout_s or None)
+        except TimeoutError:
+            raise TurnFailed(
+                f"turn exceeded request_timeout_s={timeout_s:g}; its committed tokens are kept in the session",
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+            ) from None
 
     async def _run_turn(self, turn: _Turn) -> tuple[int, int, int]:
         """-> (finish reason, committed length, steps). Calls Run until the turn ends, failing over."""
@@ -560,6 +648,8 @@ class GatewayEngine:
             try:
                 reason = await self._run_once(turn, state, committed, remaining)
                 return reason, state.position, state.num_steps
+            except StoreUnavailable:
+                raise  # not the services' fault: no failover
             except (grpc.aio.AioRpcError, TurnFailed) as e:
                 code = e.code() if isinstance(e, grpc.aio.AioRpcError) else e.code
                 if turn.cancelled:
@@ -611,9 +701,12 @@ class GatewayEngine:
         if ids:
             if event.start_position != state.position:
                 raise TurnFailed(f"drafter sent tokens at {event.start_position}, expected {state.position}")
-            state.position = await self._store(
-                self.store.append_tokens, turn.session_id, state.position, ids, turn.epoch
-            )
+            try:
+                state.position = await self._store(
+                    self.store.append_tokens, turn.session_id, state.position, ids, turn.epoch
+                )
+            except SessionConflict as e:
+                state.position = await self._landed(turn, state.position, ids, e)
             await self._store(self.store.set_kv_length, turn.session_id, turn.epoch, state.position - 1)
         text = state.detok.push(ids) if ids else ""
         if final:
@@ -627,6 +720,14 @@ class GatewayEngine:
             state.num_steps += 1
         await turn.events.put(gateway_pb2.GenerateEvent(session_id=turn.session_id, delta=delta))
 
+    async def _landed(self, turn: _Turn, position: int, ids: list[int], conflict: SessionConflict) -> int:
+        """An append refused: it may have landed before Redis went away (a retried call), else the turn lost
+        the session to a newer epoch (another gateway took it over): ABORTED, the client resumes."""
+        same_run = conflict.epoch == turn.epoch and conflict.committed_length == position + len(ids)
+        if same_run and await self._store(self.store.get_tokens, turn.session_id, position) == ids:
+            return position + len(ids)
+        raise TurnFailed(f"session {turn.session_id!r} moved on without this turn: {conflict}", grpc.StatusCode.ABORTED)
+
     async def _failover(self, turn: _Turn, position: int) -> None:
         """Drop the failed service(s), choose a live pair, begin a new epoch."""
         timeout = self.config.health_timeout_s
@@ -634,7 +735,10 @@ class GatewayEngine:
         verifier_up = await self.channels.healthy(turn.verifier.address, timeout)
         if not drafter_up:
             self.services.mark_down("drafter", turn.drafter.service_id)
-        verifier_failed = not verifier_up or drafter_up  # a live drafter reported its verifier stream failed
+        # A verifier that still answers its health check stays in (it may have refused this session for a
+        # moment, e.g. a full KV pool): marking the only verifier down would refuse every request for
+        # service_down_s (found by the load test: one eviction race cost 10 s of RESOURCE_EXHAUSTED).
+        verifier_failed = not verifier_up
         if verifier_failed:
             self.services.mark_down("verifier", turn.verifier.service_id)
         old = (turn.drafter, turn.verifier)
@@ -642,10 +746,8 @@ class GatewayEngine:
         turn.drafter, turn.verifier = await self._choose(
             "" if verifier_failed else turn.verifier.service_id, turn.drafter.service_id if drafter_up else ""
         )
-        for before, after in zip(old, (turn.drafter, turn.verifier), strict=True):
-            self.services.assigned[(before.role, before.service_id)] -= 1
-            key = (after.role, after.service_id)
-            self.services.assigned[key] = self.services.assigned.get(key, 0) + 1
+        self.services.hold(old, -1)
+        self.services.hold((turn.drafter, turn.verifier), +1)
         turn.epoch = await self._store(
             self.store.begin_epoch, turn.session_id, turn.epoch, turn.drafter.service_id, turn.verifier.service_id
         )
@@ -704,6 +806,9 @@ class GatewayEngine:
             record = await self._store(self.store.get_session, record.session_id)
             if record.status != SessionStatus.RUNNING and record.committed_length == position:
                 break
+            orphaned = record.status == SessionStatus.RUNNING and _lease_expired(record)
+            if orphaned and record.session_id not in self._turns:  # its gateway died: continue the turn here
+                await self._take_over(record)
             await asyncio.sleep(self.config.resume_poll_s)
         tail = detok.flush()
         if tail:

@@ -21,7 +21,9 @@ from gateway.config import GatewayConfig
 from gateway.engine import GatewayEngine
 from gateway.servicer import GatewayServicer
 from gateway.store import MemorySessionStore, RedisSessionStore, SessionStore
-from rsd_runtime.serving import load_config, serve_until_signal, start_server
+from rsd_runtime.metrics import GatewayMetrics
+from rsd_runtime.security import server_security
+from rsd_runtime.serving import load_config, serve_until_signal, setup_logging, start_server
 from rsd_wire import gateway_pb2_grpc
 
 log = logging.getLogger("rsd.gateway")
@@ -32,6 +34,7 @@ class GatewayHandle:
     engine: GatewayEngine
     servicer: GatewayServicer
     health: Any  # grpc_health.v1.health.aio.HealthServicer
+    metrics: GatewayMetrics
 
     async def close(self, server: grpc.aio.Server, grace_s: float = 1.0) -> None:
         """Report NOT_SERVING, let running turns finish for grace_s, stop the server and the engine."""
@@ -39,6 +42,7 @@ class GatewayHandle:
         await self.engine.drain(grace_s)
         await server.stop(grace_s)
         await self.engine.close()
+        self.metrics.close()
 
 
 def make_store(config: GatewayConfig) -> SessionStore:
@@ -64,10 +68,24 @@ async def create_server(
     tokenizer = tokenizer if tokenizer is not None else load_gateway_tokenizer(config)
     engine = GatewayEngine(config, store, tokenizer)
     servicer = GatewayServicer(engine)
+    metrics = GatewayMetrics(engine)
     server, port, health = await start_server(
-        [(gateway_pb2_grpc.add_GatewayServicer_to_server, servicer)], ["rsd.v1.Gateway"], config.host, config.port
+        [(gateway_pb2_grpc.add_GatewayServicer_to_server, servicer)],
+        ["rsd.v1.Gateway"],
+        config.host,
+        config.port,
+        security=server_security(config, "auth_token"),
+        interceptors=[metrics.interceptor()],
+        max_message_bytes=config.max_message_bytes,
+        max_concurrent_rpcs=config.max_concurrent_rpcs,
     )
-    return server, port, GatewayHandle(engine, servicer, health)
+    handle = GatewayHandle(engine, servicer, health, metrics)
+    try:
+        metrics.serve(config.host, config.metrics_port)
+    except Exception:
+        await handle.close(server, 0)
+        raise
+    return server, port, handle
 
 
 async def serve(config: GatewayConfig) -> None:
@@ -77,10 +95,10 @@ async def serve(config: GatewayConfig) -> None:
     print(f"gateway listening on {config.host}:{port}", flush=True)
     await serve_until_signal(server, handle.health, grace_s=config.drain_s, on_drain=handle.servicer.drain)
     await handle.engine.close()
+    handle.metrics.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         config = load_config(GatewayConfig, "gateway", sys.argv[1:] if argv is None else argv)
         if not config.tokenizer:
@@ -88,5 +106,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    setup_logging(config.log_format)
     asyncio.run(serve(config))
     return 0

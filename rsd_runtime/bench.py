@@ -1,6 +1,7 @@
 """Benchmark speculative methods against autoregressive decoding on one loaded drafter/target pair.
 
-    python -m rsd_runtime.bench --quick                       # the real pair (provisioned/cached)
+    rsd bench --quick                                          # the real pair (provisioned/cached)
+    rsd bench --protocol all --temperatures 0,0.6,1 --name cpu-full   # both paper protocols
     python -m rsd_runtime.bench --config "ar;sd:4;specinfer:2,2,1;spectr:2x4;rsd_c:2,2,1;rsd_s:3x4" \\
         --temperatures 0,1 --num-prompts 3 --max-new-tokens 32 --threads 2 --name cpu-quick
     python -m rsd_runtime.bench --method ar --method rsd_s:3x4 --draft DIR --target DIR --prompts FILE
@@ -11,6 +12,13 @@ and hf_assisted[:k] (transformers' assisted generation with the same two models;
 per step with a constant schedule, no k = transformers' defaults). Every method runs on the same
 models, prompts, per-prompt seeds, temperatures and max new tokens; runs are interleaved (for each
 temperature, for each prompt, every method) so a background load hits all methods alike.
+
+Protocols (--protocol): fixed_depth runs matched shapes at each depth L in --depths (sd:L,
+specinfer and rsd_c with branching 2,2,1,...,1, spectr and rsd_s 3xL); fixed_nodes runs, for each
+budget in --budgets (draft tokens per tree), the candidate shapes of BUDGET_CANDIDATES and marks the
+one with the highest block efficiency per (method, budget, temperature) as "best"; all runs both
+(a shape in both protocols runs once and is reported under each). With --small-batch-linear the
+target alone also runs with plain F.linear (ar:plain); speedup_vs_ar divides by the fastest ar row.
 
 Prompts: by default functions of the Python standard library of the running interpreter (a fixed
 module list; module-level functions with a docstring and a body after it), cut after the signature
@@ -50,10 +58,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here reaches a model hub
 
 DEFAULT_SHAPES = {"sd": "4", "specinfer": "2,2,1", "spectr": "3x4", "rsd_c": "2,2,1", "rsd_s": "3x4", "hf_assisted": ""}
 QUICK_CONFIG = "ar;sd:4;specinfer:2,2,1;spectr:2x4;rsd_c:2,2,1;rsd_s:3x4"
-FULL_CONFIG = (
-    "ar;sd:2;sd:4;sd:6;specinfer:2,2,1;specinfer:3,2,2,1;spectr:2x4;spectr:4x4;"
-    "rsd_c:2,2,1;rsd_c:3,2,2,1;rsd_s:3x4;rsd_s:4x5;hf_assisted:4"
-)
+DEPTHS = (2, 3, 4, 5)
+BUDGETS = (6, 10, 14, 21, 30)
+# fixed_nodes: per budget (draft tokens), the shapes each method may use: a deep-narrow and a
+# shallow-wide tree for every tree method (nodes <= budget). SD's chain is capped at depth 8 to bound
+# its drafting cost (8 draft forwards per target call).
+BUDGET_CANDIDATES = {
+    6: {"sd": ["6"], "tree": ["2,2", "2,1,1"], "kxl": ["2x3", "3x2"]},
+    10: {"sd": ["8"], "tree": ["2,2,1", "2,1,1,1,1"], "kxl": ["2x5", "3x3"]},
+    14: {"sd": ["8"], "tree": ["2,2,1,1", "2,2,2"], "kxl": ["2x7", "3x4"]},
+    21: {"sd": ["8"], "tree": ["3,2,1,1", "2,2,1,1,1"], "kxl": ["3x7", "4x5"]},
+    30: {"sd": ["8"], "tree": ["2,2,2,1,1", "3,3,1"], "kxl": ["5x6", "6x5"]},
+}
+METHOD_ORDER = ("ar", "sd", "specinfer", "spectr", "rsd_c", "rsd_s", "hf_assisted")
 MBSU_FORMULA = (
     "mbsu = block_efficiency / (1 + c * draft_forwards_per_step), c = draft / target single-token forward "
     "time (minimum over interleaved repetitions, measured in this run on the first prompt's context); "
@@ -161,13 +178,13 @@ class Spec:
 
 
 def parse_spec(text: str) -> Spec:
-    """ "rsd_s:3x4" / "sd" (default shape) / "ar" / "hf_assisted:4" -> Spec, validated."""
+    """ "rsd_s:3x4" / "sd" (default shape) / "ar" / "ar:plain" / "hf_assisted:4" -> Spec, validated."""
     name, _, shape = text.strip().partition(":")
     name, shape = name.strip(), shape.strip()
     if name == "ar":
-        if shape:
-            raise ValueError("ar takes no shape")
-        return Spec("ar")
+        if shape not in ("", "plain"):
+            raise ValueError("ar takes no shape (ar:plain: the target alone with plain F.linear)")
+        return Spec("ar", shape)
     if name == "hf_assisted":
         if shape and not (shape.isdigit() and int(shape) > 0):
             raise ValueError(f"hf_assisted takes a number of draft tokens, got {shape!r}")
@@ -185,6 +202,62 @@ def parse_config(text: str) -> list[Spec]:
     if not specs:
         raise ValueError(f"no methods in {text!r}")
     return specs
+
+
+def parse_ints(text: str, what: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{what}: expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{what}: expected positive integers, got {text!r}")
+    return values
+
+
+def fixed_depth_specs(depth: int) -> list[Spec]:
+    """Matched shapes of draft length `depth` (>= 2): every method's tree is `depth` tokens deep."""
+    branching = ",".join(["2", "2"] + ["1"] * (depth - 2))
+    return [
+        Spec("sd", str(depth)),
+        Spec("specinfer", branching),
+        Spec("spectr", f"3x{depth}"),
+        Spec("rsd_c", branching),
+        Spec("rsd_s", f"3x{depth}"),
+    ]
+
+
+def fixed_nodes_specs(budget: int) -> list[Spec]:
+    """The candidate shapes of every method within `budget` draft tokens (BUDGET_CANDIDATES)."""
+    if budget not in BUDGET_CANDIDATES:
+        raise ValueError(f"no candidate shapes for a budget of {budget}; known: {sorted(BUDGET_CANDIDATES)}")
+    table = BUDGET_CANDIDATES[budget]
+    kinds = {"sd": "sd", "specinfer": "tree", "spectr": "kxl", "rsd_c": "tree", "rsd_s": "kxl"}
+    specs = [Spec(name, shape) for name, kind in kinds.items() for shape in table[kind]]
+    for spec in specs:
+        assert spec.method().max_draft_tokens <= budget, spec
+    return specs
+
+
+def plan(protocol: str, depths: list[int], budgets: list[int]) -> tuple[list[Spec], dict[str, list]]:
+    """The specs a protocol runs (each once) and, per label, where its rows are reported:
+    a list of (protocol, budget or None)."""
+    where: dict[str, list] = {"ar": [("baseline", None)]}  # ar and the outside peer belong to no protocol
+    specs = [Spec("ar")]
+    if protocol in ("fixed_depth", "all"):
+        for depth in depths:
+            if depth < 2:
+                raise ValueError("fixed_depth needs depths >= 2")
+            for spec in fixed_depth_specs(depth):
+                where.setdefault(spec.label, []).append(("fixed_depth", None))
+                specs += [spec] if spec not in specs else []
+    if protocol in ("fixed_nodes", "all"):
+        for budget in budgets:
+            for spec in fixed_nodes_specs(budget):
+                where.setdefault(spec.label, []).append(("fixed_nodes", budget))
+                specs += [spec] if spec not in specs else []
+    hf = Spec("hf_assisted", "")
+    where[hf.label] = [("baseline", None)]
+    return [*specs, hf], where
 
 
 def parse_temperatures(text: str) -> list[float]:
@@ -326,12 +399,13 @@ class Tally:
     draft_forwards: int = 0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    accept_s: float = 0.0
     total_s: float = 0.0
     accepted: list | None = None
     tried: list | None = None
 
 
-def _row(spec: Spec, temperature: float, tally: Tally, outputs: list[dict], costs: dict, protocol: str) -> dict:
+def _row(spec: Spec, temperature: float, tally: Tally, outputs: list[dict], costs: dict) -> dict:
     method = spec.method()
     is_hf = spec.name == "hf_assisted"
     calls = tally.target_calls
@@ -347,7 +421,9 @@ def _row(spec: Spec, temperature: float, tally: Tally, outputs: list[dict], cost
     return {
         "method": spec.name,
         "label": spec.label,
-        "protocol": protocol,
+        "protocol": None,  # set by _placed
+        "budget": None,  # fixed_nodes: the budget this row competes in
+        "best": None,  # fixed_nodes: the highest block efficiency of its method within the budget
         "temperature": temperature,
         "shape": spec.shape or None,
         "depth": method.depth if method else (0 if spec.name == "ar" else None),
@@ -368,7 +444,17 @@ def _row(spec: Spec, temperature: float, tally: Tally, outputs: list[dict], cost
         "total_s": tally.total_s,
         "draft_s": None if is_hf else tally.draft_s,
         "verify_s": None if is_hf else tally.verify_s,
-        "other_s": None if is_hf else tally.total_s - tally.draft_s - tally.verify_s,
+        "accept_s": None if is_hf else tally.accept_s,
+        "other_s": None if is_hf else tally.total_s - tally.draft_s - tally.verify_s - tally.accept_s,
+        # the per-step time split: draft, verify (target forward), accept (rule + commits), other
+        "step_ms": None
+        if is_hf
+        else {
+            "draft": 1000 * tally.draft_s / max(calls, 1),
+            "verify": 1000 * tally.verify_s / max(calls, 1),
+            "accept": 1000 * tally.accept_s / max(calls, 1),
+            "other": 1000 * (tally.total_s - tally.draft_s - tally.verify_s - tally.accept_s) / max(calls, 1),
+        },
         "verify_ms_per_call": None if is_hf else 1000 * tally.verify_s / max(calls, 1),
         "draft_ms_per_forward": 1000 * tally.draft_s / tally.draft_forwards if tally.draft_forwards else None,
         "matches_ar": None,  # T = 0 only: every prompt's tokens equal the ar row's
@@ -377,17 +463,42 @@ def _row(spec: Spec, temperature: float, tally: Tally, outputs: list[dict], cost
 
 
 def _finish_rows(rows: list[dict]) -> None:
-    ar = {r["temperature"]: r for r in rows if r["method"] == "ar"}
+    """Speed-ups against the fastest ar row at the same temperature, and T=0 equality with ar."""
+    fastest: dict[float, dict] = {}
     for r in rows:
-        base = ar.get(r["temperature"])
+        if r["method"] == "ar" and r["tokens_per_s"]:
+            best = fastest.get(r["temperature"])
+            if best is None or r["tokens_per_s"] > best["tokens_per_s"]:
+                fastest[r["temperature"]] = r
+    for r in rows:
+        base = fastest.get(r["temperature"])
         if base is None:
             continue
+        r["ar_reference"] = base["label"]
         for rate, ratio in (("tokens_per_s", "speedup_vs_ar"), ("steady_tokens_per_s", "steady_speedup_vs_ar")):
             if r[rate] and base[rate]:
                 r[ratio] = r[rate] / base[rate]
         if r["temperature"] == 0:
             ref = {o["prompt"]: o["token_sha"] for o in base["outputs"]}
             r["matches_ar"] = all(ref.get(o["prompt"]) == o["token_sha"] for o in r["outputs"])
+
+
+def _placed(rows: list[dict], where: dict[str, list]) -> list[dict]:
+    """One row per (measurement, place it is reported at); fixed_nodes rows get their budget and the
+    best-in-budget mark."""
+    out = []
+    for r in rows:
+        for protocol, budget in where.get(r["label"], [("custom", None)]):
+            out.append({**r, "protocol": protocol, "budget": budget})
+    groups: dict[tuple, list[dict]] = {}
+    for r in out:
+        if r["protocol"] == "fixed_nodes" and r["block_efficiency"] is not None:
+            groups.setdefault((r["method"], r["budget"], r["temperature"]), []).append(r)
+    for group in groups.values():
+        top = max(group, key=lambda r: r["block_efficiency"])
+        for r in group:
+            r["best"] = r is top
+    return out
 
 
 # ---------------------------------------------------------------- report
@@ -432,22 +543,130 @@ def markdown(result: dict) -> str:
         f"- wall time of the whole run: {result['wall_s']:.0f} s"
         + ("" if result["complete"] else " so far (**a snapshot: the run has not finished**)"),
         "",
-        "| method | shape | T | depth | nodes | block eff. | draft fwd/step | MBSU | tok/s | vs ar | steady tok/s "
-        "| steady vs ar | draft s "
-        "| verify s | other s | verify ms/call | acceptance by depth | T=0 = ar |",
+        "| protocol | method | shape | T | depth | nodes | block eff. | draft fwd/step | MBSU | tok/s | vs ar "
+        "| steady vs ar | draft ms/step | verify ms/step | accept ms/step | other ms/step | acceptance by depth "
+        "| T=0 = ar |",
         "|" + " --- |" * 18,
     ]
     for r in result["rows"]:
         acc = "–" if r["acceptance_by_depth"] is None else " ".join(_fmt(a) for a in r["acceptance_by_depth"])
+        split = r.get("step_ms") or {}
+        protocol = r["protocol"] + (f" {r['budget']}" if r["budget"] else "") + (" **best**" if r["best"] else "")
         lines.append(
-            f"| {r['method']} | {_fmt(r['shape'])} | {_fmt(r['temperature'], 1)} | {_fmt(r['depth'])} | "
+            f"| {protocol} | {r['method']} | {_fmt(r['shape'])} | {_fmt(r['temperature'], 1)} | {_fmt(r['depth'])} | "
             f"{_fmt(r['nodes'])} | {_fmt(r['block_efficiency'])} | {_fmt(r['draft_forwards_per_step'])} | "
             f"{_fmt(r['mbsu'])} | {_fmt(r['tokens_per_s'], 3)} | {_fmt(r['speedup_vs_ar'])} | "
-            f"{_fmt(r['steady_tokens_per_s'], 3)} | {_fmt(r['steady_speedup_vs_ar'])} | {_fmt(r['draft_s'], 1)} | "
-            f"{_fmt(r['verify_s'], 1)} | {_fmt(r['other_s'], 1)} | {_fmt(r['verify_ms_per_call'], 0)} | {acc} | "
-            f"{_fmt(r['matches_ar'])} |"
+            f"{_fmt(r['steady_speedup_vs_ar'])} | "
+            + " | ".join(_fmt(split.get(k), 0) for k in ("draft", "verify", "accept", "other"))
+            + f" | {acc} | {_fmt(r['matches_ar'])} |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, "", *summary_tables(result["rows"])]) + "\n"
+
+
+def summary_tables(rows: list[dict]) -> list[str]:
+    """Markdown pivots for the README: block efficiency by budget (best shape) and by depth, per T."""
+    out = []
+    temps = sorted({r["temperature"] for r in rows})
+    for protocol, key, title in (
+        ("fixed_nodes", "budget", "Block efficiency at a fixed target budget (best shape per method)"),
+        ("fixed_depth", "depth", "Block efficiency at a fixed draft length"),
+    ):
+        chosen = [r for r in rows if r["protocol"] == protocol and (protocol != "fixed_nodes" or r["best"])]
+        if not chosen:
+            continue
+        columns = sorted({r[key] for r in chosen})
+        out += [f"### {title}", ""]
+        out.append("| T | method | " + " | ".join(f"{key} {c}" for c in columns) + " |")
+        out.append("|" + " --- |" * (len(columns) + 2))
+        for t in temps:
+            for method in METHOD_ORDER:
+                cells = {r[key]: r for r in chosen if r["method"] == method and r["temperature"] == t}
+                if cells:
+                    values = [
+                        f"{cells[c]['block_efficiency']:.2f} ({cells[c]['shape']})" if c in cells else "–"
+                        for c in columns
+                    ]
+                    out.append(f"| {_fmt(t, 1)} | {method} | " + " | ".join(values) + " |")
+        out.append("")
+    speed = [r for r in rows if r["protocol"] != "fixed_depth" and r["tokens_per_s"]]
+    if speed:
+        out += ["### Tokens per second: the fastest shape of each method", ""]
+        out += ["| T | method | shape | tok/s | vs fastest ar | block eff. |", "|" + " --- |" * 6]
+        for t in temps:
+            for method in METHOD_ORDER:
+                cands = [r for r in speed if r["method"] == method and r["temperature"] == t]
+                if cands:
+                    r = max(cands, key=lambda r: r["tokens_per_s"])
+                    out.append(
+                        f"| {_fmt(t, 1)} | {method} | {_fmt(r['shape'])} | {r['tokens_per_s']:.3f} | "
+                        f"{_fmt(r['speedup_vs_ar'])} | {_fmt(r['block_efficiency'])} |"
+                    )
+        out.append("")
+    return out
+
+
+def plots(result: dict, out_dir: Path, name: str) -> list[Path]:
+    """<name>-block-efficiency.png (vs budget and vs depth, one panel per temperature) and
+    <name>-tokens-per-s.png (the fastest shape of each method, per temperature)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, paths = result["rows"], []
+    temps = sorted({r["temperature"] for r in rows})
+    panels = [
+        (protocol, key, label)
+        for protocol, key, label in (
+            ("fixed_nodes", "budget", "target budget (draft tokens per tree)"),
+            ("fixed_depth", "depth", "draft length (tree depth)"),
+        )
+        if any(r["protocol"] == protocol for r in rows)
+    ]
+    if not panels:  # a custom set of shapes: block efficiency against tree size
+        panels = [("custom", "nodes", "draft tokens per tree")]
+    fig, axes = plt.subplots(len(panels), len(temps), figsize=(4.5 * len(temps), 3.8 * len(panels)), squeeze=False)
+    for (protocol, key, xlabel), ax_row in zip(panels, axes, strict=True):
+        for t, ax in zip(temps, ax_row, strict=True):
+            for method in METHOD_ORDER[1:-1]:
+                pts = sorted(
+                    (r[key], r["block_efficiency"])
+                    for r in rows
+                    if r["method"] == method
+                    and r["temperature"] == t
+                    and r["block_efficiency"] is not None
+                    and (protocol == "custom" or r["protocol"] == protocol)
+                    and (protocol != "fixed_nodes" or r["best"])
+                )
+                if pts:
+                    ax.plot(*zip(*pts, strict=True), marker="o", label=method)
+            ax.set(title=f"{protocol}, T={t:g}", xlabel=xlabel, ylabel="block efficiency")
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out_dir / f"{name}-block-efficiency.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, len(temps), figsize=(4.5 * len(temps), 3.8), squeeze=False)
+    for t, ax in zip(temps, axes[0], strict=True):
+        labels, values = [], []
+        for method in METHOD_ORDER:
+            cands = [r for r in rows if r["method"] == method and r["temperature"] == t and r["tokens_per_s"]]
+            cands = [r for r in cands if r["protocol"] != "fixed_depth"] or cands
+            if cands:
+                best = max(cands, key=lambda r: r["tokens_per_s"])
+                labels.append(best["label"] if method != "ar" else "ar")
+                values.append(best["tokens_per_s"])
+        ax.bar(range(len(values)), values, color=["0.5"] + ["C0"] * (len(values) - 1))
+        ax.set_xticks(range(len(values)), labels, rotation=45, ha="right", fontsize=8)
+        ax.set(title=f"T={t:g}: fastest shape per method", ylabel="tokens / s")
+        ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    paths.append(out_dir / f"{name}-tokens-per-s.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
 
 
 # ---------------------------------------------------------------- main
@@ -495,7 +714,7 @@ def _machine_info() -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m rsd_runtime.bench",
+        prog="rsd bench",
         description=__doc__.split("\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="\n".join(__doc__.split("\n")[1:]),
@@ -518,28 +737,42 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--cost-reps", type=int, default=5, help="repetitions of each timed forward for c")
     ap.add_argument("--tree-costs", action="store_true", help="also time one target forward per method's tree size")
-    ap.add_argument("--protocol", default=None, help="label of how shapes were chosen (default: inferred)")
+    ap.add_argument(
+        "--protocol",
+        choices=["fixed_depth", "fixed_nodes", "all"],
+        default=None,
+        help="run a paper protocol instead of --config/--method (default without either: all)",
+    )
+    ap.add_argument("--depths", default=",".join(map(str, DEPTHS)), help="fixed_depth draft lengths")
+    ap.add_argument("--budgets", default=",".join(map(str, BUDGETS)), help="fixed_nodes budgets (draft tokens)")
+    ap.add_argument(
+        "--small-batch-linear",
+        type=int,
+        default=0,
+        metavar="ROWS",
+        help="linear layers as weight @ x.T up to ROWS rows, in both models (adds ar:plain as a baseline)",
+    )
+    ap.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     ap.add_argument("--name", default="bench", help="result file stem")
     ap.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parents[1] / "benchmarks" / "results")
     return ap
 
 
-def _infer_protocol(specs: list[Spec]) -> str:
-    methods = [m for m in (s.method() for s in specs) if m is not None]
-    if len({m.depth for m in methods}) <= 1:
-        return "fixed_depth"
-    if len({m.max_draft_tokens for m in methods}) <= 1:
-        return "fixed_nodes"
-    return "per_method_shape"
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.config or args.method:
+        if args.protocol and (args.config or args.method or args.quick):
+            raise ValueError("--protocol chooses the shapes itself: drop --config/--method/--quick")
+        if args.config or args.method or args.quick:
             specs = (parse_config(args.config) if args.config else []) + [parse_spec(m) for m in args.method]
+            specs = specs or parse_config(QUICK_CONFIG)
+            where = {s.label: [("custom", None)] for s in specs}
         else:
-            specs = parse_config(QUICK_CONFIG if args.quick else FULL_CONFIG)
+            depths, budgets = parse_ints(args.depths, "--depths"), parse_ints(args.budgets, "--budgets")
+            specs, where = plan(args.protocol or "all", depths, budgets)
+        if args.small_batch_linear and any(s.name == "ar" for s in specs) and Spec("ar", "plain") not in specs:
+            specs.insert(1 + [s.name for s in specs].index("ar"), Spec("ar", "plain"))  # the other ar baseline
+            where["ar:plain"] = where["ar"]
         temperatures = parse_temperatures(args.temperatures or "0,1")
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
@@ -553,7 +786,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from rsd.sampling import SamplingParams
     from rsd_runtime.generator import SpeculativeGenerator
-    from rsd_runtime.models import load_model, load_tokenizer
+    from rsd_runtime.models import load_model, load_tokenizer, set_small_batch_rows, use_small_batch_linear
     from rsd_runtime.runner import ModelRunner
 
     hf_logging.disable_progress_bar()
@@ -572,6 +805,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.draft and args.target:
         draft_dir, target_dir = args.draft, args.target
+        for flag, path in (("--draft", draft_dir), ("--target", target_dir)):
+            if not (path / "config.json").is_file():
+                raise SystemExit(f"error: {flag} {path} is not a model folder (no config.json)")
     elif args.draft or args.target:
         raise SystemExit("error: give both --draft and --target, or neither")
     else:
@@ -585,6 +821,10 @@ def main(argv: list[str] | None = None) -> int:
     target_model = load_model(target_dir, args.device, args.dtype)
     needs_draft = any(s.name != "ar" for s in specs)
     draft_model = load_model(draft_dir, args.device, args.dtype) if needs_draft else None
+    if args.small_batch_linear:
+        for model in (target_model, draft_model):
+            if model is not None:
+                use_small_batch_linear(model, args.small_batch_linear)
     encoded = [tokenizer.encode(p["prompt"]) for p in prompts]
     if any(not ids for ids in encoded):
         raise SystemExit("error: a prompt encodes to no tokens")
@@ -609,13 +849,12 @@ def main(argv: list[str] | None = None) -> int:
     tallies = {(s.label, t): Tally() for t in temperatures for s in specs}
     outputs = {key: [] for key in tallies}
     hf_settings = {}
-    protocol = args.protocol or _infer_protocol(specs)
     json_path, md_path = args.out_dir / f"{args.name}.json", args.out_dir / f"{args.name}.md"
 
     def write(complete: bool) -> dict:
         """Write the JSON and the markdown of every (method, temperature) run so far."""
         rows = [
-            _row(s, t, tallies[(s.label, t)], outputs[(s.label, t)], costs, protocol)
+            _row(s, t, tallies[(s.label, t)], outputs[(s.label, t)], costs)
             for t in temperatures
             for s in specs
             if outputs[(s.label, t)]
@@ -624,6 +863,7 @@ def main(argv: list[str] | None = None) -> int:
             if row["label"] in hf_settings:
                 row["hf_settings"] = hf_settings[row["label"]]
         _finish_rows(rows)
+        rows = _placed(rows, where)
         machine["loadavg_end" if complete else "loadavg_now"] = [round(x, 2) for x in os.getloadavg()]
         if complete:
             machine.pop("loadavg_now", None)
@@ -647,6 +887,9 @@ def main(argv: list[str] | None = None) -> int:
             "settings": {
                 "methods": [s.label for s in specs],
                 "temperatures": temperatures,
+                "protocol": args.protocol or ("custom" if args.config or args.method or args.quick else "all"),
+                "budget_candidates": BUDGET_CANDIDATES,
+                "small_batch_linear_rows": args.small_batch_linear,
                 "max_new_tokens": max_new,
                 "seed": args.seed,
                 "eos_token_ids": list(eos),
@@ -687,15 +930,22 @@ def main(argv: list[str] | None = None) -> int:
                     tally.total_s += wall
                     calls = None
                 else:
+                    if spec.shape == "plain":
+                        set_small_batch_rows(target_model, 0)
                     t0 = time.perf_counter()
-                    res = gen.generate(ids, methods[spec.label], params, max_new, eos, seed)
-                    t_end = time.perf_counter()
+                    try:
+                        res = gen.generate(ids, methods[spec.label], params, max_new, eos, seed)
+                    finally:
+                        t_end = time.perf_counter()
+                        if spec.shape == "plain":
+                            set_small_batch_rows(target_model, args.small_batch_linear)
                     s, new, wall, calls = res.stats, res.token_ids, res.stats.total_s, res.stats.target_calls
                     tally.new_tokens += s.new_tokens
                     tally.target_calls += s.target_calls
                     tally.draft_forwards += s.draft_forwards
                     tally.draft_s += s.draft_s
                     tally.verify_s += s.verify_s
+                    tally.accept_s += s.accept_s
                     tally.total_s += s.total_s
                     if s.tried_by_depth:
                         if tally.tried is None:
@@ -721,6 +971,9 @@ def main(argv: list[str] | None = None) -> int:
             write(complete=False)  # a snapshot after every prompt: a stopped run keeps its results
     result = write(complete=True)
     log(f"wrote {json_path} and {md_path} in {result['wall_s']:.0f} s")
+    if not args.no_plots:
+        for path in plots(result, args.out_dir, args.name):
+            log(f"wrote {path}")
     print(markdown(result))
     return 0
 

@@ -54,6 +54,12 @@ def _add_generate(sub) -> None:
     p.add_argument("--server", metavar="HOST:PORT", help="generate through the gateway at HOST:PORT")
     p.add_argument("--session-id", default="", help="with --server: continue this session with the prompt as its turn")
     p.add_argument("--stop", action="append", default=[], help="with --server: a stop sequence (repeatable)")
+    p.add_argument(
+        "--token-file", default="", help="with --server: file holding the gateway's bearer token (or env RSD_TOKEN)"
+    )
+    p.add_argument("--tls-ca", default="", help="with --server: CA certificate (PEM) of the gateway: use TLS")
+    p.add_argument("--tls-cert", default="", help="with --server: client certificate (PEM) for mTLS")
+    p.add_argument("--tls-key", default="", help="with --server: the client certificate's key (PEM)")
 
 
 DEFAULT_SHAPES = {"sd": "4", "specinfer": "2,2,1", "spectr": "3x4", "rsd_c": "2,2,1", "rsd_s": "3x4"}
@@ -83,10 +89,16 @@ def generate_remote(args) -> int:
 
     from rsd_runtime.client import RsdClient
     from rsd_runtime.cluster import print_stats
+    from rsd_runtime.security import ClientSecurity, read_secret
 
     if args.method == "ar":
         raise SystemExit("error: the gateway serves speculative methods only (not ar)")
-    with RsdClient(args.server) as client:
+    try:  # the token from a file or the environment: never on the command line, where `ps` shows it
+        token = read_secret("" if args.token_file else os.environ.get("RSD_TOKEN", ""), args.token_file, "token")
+        security = ClientSecurity(args.tls_ca, args.tls_cert, args.tls_key, token)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
+    with RsdClient(args.server, security=security) as client:
         gen = client.generate(
             args.prompt,
             session_id=args.session_id,
@@ -175,7 +187,12 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser(
         "cluster", add_help=False, help="start redis, verifier, drafter and gateway as processes (rsd cluster -h)"
     )
+    sub.add_parser("bench", add_help=False, help="benchmark every method on one model pair (rsd bench -h)")
     args, rest = ap.parse_known_args(argv)
+    if args.command == "bench":
+        from rsd_runtime.bench import main as bench_main
+
+        return bench_main(rest)
     if args.command == "cluster":
         from rsd_runtime.cluster import main as cluster_main
 

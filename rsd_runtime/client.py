@@ -8,7 +8,9 @@
         more = client.generate(" # and now tests", session_id=gen.session_id)   # next turn, same session
         client.get_session(gen.session_id).kv_location
 
-Errors come as grpc.RpcError with the gateway's status code and reason.
+Errors come as grpc.RpcError with the gateway's status code and reason. A gateway with TLS and a token:
+
+    RsdClient("gw.example:7000", security=ClientSecurity(tls_ca="ca.pem", token=token))
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from collections.abc import Iterator, Sequence
 
 import grpc
 
-from rsd_wire import GRPC_OPTIONS, common_pb2, gateway_pb2, gateway_pb2_grpc
+from rsd_runtime.security import ClientSecurity, sync_channel
+from rsd_wire import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 
 class Generation:
@@ -59,9 +62,12 @@ class Generation:
 
 
 class RsdClient:
-    def __init__(self, address: str, timeout_s: float | None = None):
+    def __init__(self, address: str, timeout_s: float | None = None, security: ClientSecurity | None = None):
+        """security: TLS (its tls_ca, and a client certificate for mTLS) and the gateway's bearer token."""
         self.address, self.timeout_s = address, timeout_s
-        self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        security = security or ClientSecurity()
+        self._channel = sync_channel(address, security)
+        self._metadata = security.metadata() or None
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
 
     def __enter__(self) -> RsdClient:
@@ -104,14 +110,15 @@ class RsdClient:
         params = build_params(method, shape, temperature, top_k, top_p, max_new_tokens, stop, seed)
         if params is not None:
             request.params.CopyFrom(params)
-        return Generation(self._stub.Generate(request, timeout=self.timeout_s))
+        return Generation(self._stub.Generate(request, timeout=self.timeout_s, metadata=self._metadata))
 
     def cancel(self, session_id: str) -> gateway_pb2.CancelResponse:
-        return self._stub.Cancel(gateway_pb2.CancelRequest(session_id=session_id), timeout=self.timeout_s)
+        request = gateway_pb2.CancelRequest(session_id=session_id)
+        return self._stub.Cancel(request, timeout=self.timeout_s, metadata=self._metadata)
 
     def get_session(self, session_id: str, include_token_ids: bool = False) -> gateway_pb2.Session:
         request = gateway_pb2.GetSessionRequest(session_id=session_id, include_token_ids=include_token_ids)
-        return self._stub.GetSession(request, timeout=self.timeout_s)
+        return self._stub.GetSession(request, timeout=self.timeout_s, metadata=self._metadata)
 
 
 def build_params(

@@ -118,11 +118,14 @@ class Verifier:
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
+        self.last_forward_s = 0.0  # of the last verify(): the target forward; the rest is acceptance
 
     def verify(
         self, committed: list[int], tree: DraftTree, rule: Rule, params: SamplingParams, generator: torch.Generator
     ) -> Verdict:
+        t = time.perf_counter()
         logits = _forward_with_catch_up(self.runner, committed, tree.token_ids, tree.parent_idx)  # [N, V]
+        self.last_forward_s = time.perf_counter() - t
         target_probs = logits_to_probs(logits, params).to(tree.draft_probs.dtype)  # [N, V]
         verdict = verify(tree, target_probs, rule, generator)
         _commit_path(self.runner, committed, {n: n + self._offset(committed) for n in range(tree.num_nodes)}, verdict)
@@ -146,8 +149,9 @@ class GenerationStats:
     draft_forwards: int = 0
     accepted_by_depth: list[int] = field(default_factory=list)  # steps that accepted a draft at depth d+1
     tried_by_depth: list[int] = field(default_factory=list)  # steps that reached a node at depth d with children
-    draft_s: float = 0.0
-    verify_s: float = 0.0
+    draft_s: float = 0.0  # drafting trees (draft forwards + sampling) and the draft cache's commits
+    verify_s: float = 0.0  # target forwards
+    accept_s: float = 0.0  # target laws, the acceptance rule and the target cache's commit
     total_s: float = 0.0
 
     @property
@@ -255,6 +259,7 @@ class SpeculativeGenerator:
         t_accept = time.perf_counter()
         self.drafter.accept(committed, verdict)
         stats.draft_s += (t_verify - t) + (time.perf_counter() - t_accept)
-        stats.verify_s += t_accept - t_verify
+        stats.verify_s += self.verifier.last_forward_s
+        stats.accept_s += t_accept - t_verify - self.verifier.last_forward_s
         stats.record(verdict, method.depth)
         return verdict.token_ids

@@ -44,23 +44,36 @@ def use_small_batch_linear(model: torch.nn.Module, max_rows: int = 64) -> int:
 
     On CPU, F.linear with a handful of rows is far slower than the same product written the
     other way round (Qwen2.5-1.5B up_proj, 2 threads: 4 rows 34 ms vs 8.7 ms; 13 rows 42 vs 28),
-    and a draft tree or a tree verification is exactly a handful of rows. Results differ from
-    F.linear only by float rounding. Returns the number of layers changed.
+    and a draft tree or a tree verification is exactly a handful of rows; rows above 4 are padded to
+    a multiple of 8 (on the same CPU, 13 rows 1430 ms per 1.5B forward, padded to 16: 894 ms). Zero
+    rows change no other row, so results differ from F.linear only by float rounding. max_rows 0
+    switches the path off again (set_small_batch_rows). Returns the number of layers changed.
     """
 
     def forward(self: torch.nn.Linear, x: Tensor) -> Tensor:
         rows = x.reshape(-1, x.shape[-1])  # [R, in]
-        if rows.shape[0] > max_rows:
+        n = rows.shape[0]
+        if n > self.small_batch_rows:
             return torch.nn.functional.linear(x, self.weight, self.bias)
-        out = (self.weight @ rows.T).T  # [R, out]
+        if n > 4 and n % 8:  # BLAS is much faster on a multiple of 8 columns: 13 rows cost more than 16
+            rows = torch.cat([rows, rows.new_zeros(8 - n % 8, rows.shape[1])])
+        out = (self.weight @ rows.T).T[:n]  # [R, out]
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
     for layer in layers:
+        layer.small_batch_rows = max_rows
         layer.forward = forward.__get__(layer)
     return len(layers)
+
+
+def set_small_batch_rows(model: torch.nn.Module, max_rows: int) -> None:
+    """Change max_rows of a model patched by use_small_batch_linear (0: plain F.linear everywhere)."""
+    for m in model.modules():
+        if hasattr(m, "small_batch_rows"):
+            m.small_batch_rows = max_rows
 
 
 def load_tokenizer(path: str | Path, gguf_file: str | None = None) -> PreTrainedTokenizerBase:

@@ -1,10 +1,13 @@
 """What every rsd gRPC service shares: its config (a frozen dataclass whose defaults are overridden
 by RSD_<SERVICE>_<FIELD> environment variables, then by --field flags), a grpc.aio server with
-explicit message limits, health and reflection, and a graceful drain on SIGTERM / SIGINT.
+explicit message limits, health and reflection, TLS and interceptors (rsd_runtime.security,
+rsd_runtime.metrics), text or JSON logs with the call's ids, and a graceful drain on SIGTERM / SIGINT.
 
     config = load_config(VerifierConfig, "verifier", argv)          # RSD_VERIFIER_PORT=7001 or --port 7001
+    setup_logging(config.log_format)
     server, port, health = await start_server([(add_VerifierServicer_to_server, servicer)],
-                                              ["rsd.v1.Verifier"], config.host, config.port)
+                                              ["rsd.v1.Verifier"], config.host, config.port,
+                                              security=server_security(config, "internal_token"))
     await serve_until_signal(server, health, grace_s=config.drain_s, on_drain=servicer.drain)
 """
 
@@ -12,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
 import dataclasses
+import json
 import logging
 import os
 import re
@@ -27,9 +32,55 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from rsd_wire import GRPC_OPTIONS
+from rsd_runtime.security import ClientSecurity, ServerSecurity, channel
+from rsd_wire import GRPC_OPTIONS, grpc_options
 
 T = TypeVar("T")
+
+# The ids of the call being served (method, session_id, request_id): set per RPC by
+# rsd_runtime.metrics.CallInterceptor, copied into tasks the call starts, added to every log record.
+log_context: contextvars.ContextVar[tuple[tuple[str, str], ...]] = contextvars.ContextVar("rsd_log_context", default=())
+LOG_FORMATS = ("text", "json")
+
+
+class _ContextFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        for key, value in log_context.get():
+            if not hasattr(record, key):  # an explicit extra={...} wins
+                setattr(record, key, value)
+        return True
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, the call's ids, and any extra fields."""
+
+    _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}",
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        out.update({k: v for k, v in vars(record).items() if k not in self._STANDARD and not k.startswith("_")})
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def setup_logging(log_format: str = "text", level: int = logging.INFO) -> None:
+    """Root logging for a service process: "text" (human) or "json" (one object per line), both
+    with the call's ids (session_id, request_id, method) where a call is being served."""
+    if log_format not in LOG_FORMATS:
+        raise ValueError(f"log_format must be one of {LOG_FORMATS}, got {log_format!r}")
+    handler = logging.StreamHandler()
+    handler.addFilter(_ContextFilter())
+    if log_format == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler], force=True)
 
 
 def _field_type(cls: type, field: dataclasses.Field) -> type:
@@ -73,16 +124,34 @@ async def start_server(
     service_names: Sequence[str],
     host: str,
     port: int,
+    *,
+    security: ServerSecurity | None = None,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    max_message_bytes: int = 0,
+    max_concurrent_rpcs: int = 0,
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
-    """Start a grpc.aio server with the servicers, health (SERVING) and reflection; port 0 picks one."""
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    """Start a grpc.aio server with the servicers, health (SERVING) and reflection; port 0 picks one.
+
+    security: TLS / mTLS and the bearer token (rsd_runtime.security); `interceptors` run before the
+    token check (so metrics count refused calls). max_message_bytes: 0 = rsd_wire's default.
+    max_concurrent_rpcs: more calls at once are answered RESOURCE_EXHAUSTED by gRPC (0 = no limit)."""
+    security = security or ServerSecurity()
+    server = grpc.aio.server(
+        options=grpc_options(max_message_bytes) if max_message_bytes else GRPC_OPTIONS,
+        interceptors=[*interceptors, *security.interceptors()],
+        maximum_concurrent_rpcs=max_concurrent_rpcs or None,
+    )
     for add, servicer in servicers:
         add(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
     reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    credentials = security.credentials()
+    if credentials is None:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    else:
+        bound = server.add_secure_port(f"{host}:{port}", credentials)
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
     await server.start()
@@ -109,11 +178,13 @@ async def serve_until_signal(
     await server.stop(grace_s)
 
 
-async def wait_healthy(address: str, service: str = "", timeout_s: float = 60.0) -> None:
-    """Poll a server's health until SERVING (used by the launcher and tests)."""
+async def wait_healthy(
+    address: str, service: str = "", timeout_s: float = 60.0, security: ClientSecurity | None = None
+) -> None:
+    """Poll a server's health until SERVING (used by the launcher and tests); `security` for TLS."""
     deadline = asyncio.get_running_loop().time() + timeout_s
-    async with grpc.aio.insecure_channel(address, options=GRPC_OPTIONS) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
+    async with channel(address, security) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
         while True:
             try:
                 reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2.0)

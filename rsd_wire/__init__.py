@@ -26,11 +26,19 @@ except ModuleNotFoundError as err:  # pragma: no cover - depends on the checkout
 
 # gRPC's default receive limit is 4 MiB, and one draft tree with full-vocabulary laws can pass it
 # (151,936 x 4 B ~ 600 KB per internal node for Qwen2.5). Both ends set the limits explicitly.
+# A larger message is refused by gRPC itself with RESOURCE_EXHAUSTED. The gateway's public port
+# takes a smaller limit of its own (gateway max_message_bytes).
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-GRPC_OPTIONS: tuple[tuple[str, int], ...] = (
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-)
+
+
+def grpc_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> tuple[tuple[str, int], ...]:
+    return (
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    )
+
+
+GRPC_OPTIONS = grpc_options()
 
 __all__ = [
     "GRPC_OPTIONS",
@@ -40,6 +48,7 @@ __all__ = [
     "drafter_pb2_grpc",
     "gateway_pb2",
     "gateway_pb2_grpc",
+    "grpc_options",
     "verifier_pb2",
     "verifier_pb2_grpc",
 ]

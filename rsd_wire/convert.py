@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 import sys
 
 import torch
@@ -271,7 +272,22 @@ def method_to_proto(method: Method) -> common_pb2.Method:
 
 
 def method_from_proto(msg: common_pb2.Method) -> Method:
-    return Method.parse(msg.name, msg.shape)
+    return parse_method(msg.name, msg.shape)
+
+
+_MAX_SHAPE_CHARS = 64
+_MAX_SHAPE_SIZE = 1024  # far above any tree a service takes (max_tree_nodes), far below a memory problem
+
+
+def parse_method(name: str, shape: str) -> Method:
+    """Method.parse for untrusted text: each size is bounded first (Method.parse("sd", "9999999999")
+    builds a tuple of 10**10 entries: a MemoryError, or the server's memory)."""
+    sizes = re.findall(r"\d+", shape)
+    if len(shape) > _MAX_SHAPE_CHARS or any(len(n) > 4 or int(n) > _MAX_SHAPE_SIZE for n in sizes):
+        raise ValueError(
+            f"shape {shape[:_MAX_SHAPE_CHARS]!r}: at most {_MAX_SHAPE_CHARS} characters, sizes up to {_MAX_SHAPE_SIZE}"
+        )
+    return Method.parse(name, shape)
 
 
 def generation_params_from_proto(msg: common_pb2.GenerationParams) -> tuple[SamplingParams, Method, int]:

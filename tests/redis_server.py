@@ -9,6 +9,8 @@
 2. else a Redis answering PING on 127.0.0.1:6379: use it; every namespace handed out is unique
    and its keys are deleted afterwards.
 3. else pytest.skip, saying why.
+
+persistent_redis() is a private server with an append-only file, for tests that restart Redis.
 """
 
 from __future__ import annotations
@@ -95,6 +97,54 @@ def _private_server(executable: str) -> Iterator[RedisServer]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+class PersistentRedis:
+    """A private redis-server that keeps its data on disk (AOF, fsync on every write), so it can be
+    killed and started again on the same port with every acknowledged write still there.
+
+        with persistent_redis() as server:
+            server.kill()      # SIGKILL: nothing acknowledged is lost (appendfsync always)
+            server.start()     # the same port and data directory
+    """
+
+    def __init__(self, executable: str, data_dir: str):
+        self.executable, self.data_dir = executable, data_dir
+        self.port = _free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        cmd = [self.executable, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.data_dir]
+        cmd += ["--save", "", "--appendonly", "yes", "--appendfsync", "always", "--daemonize", "no"]
+        self.proc = subprocess.Popen([*cmd, "--loglevel", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not _pings(self.url):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"redis-server did not start on port {self.port}")
+            time.sleep(0.02)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+        if self.proc is not None:
+            self.proc.communicate()
+        self.proc = None
+
+
+@contextmanager
+def persistent_redis() -> Iterator[PersistentRedis]:
+    executable = shutil.which("redis-server")
+    if executable is None:
+        pytest.skip("restarting Redis needs redis-server on PATH")
+    with tempfile.TemporaryDirectory(prefix="rsd-redis-aof-") as tmp:
+        server = PersistentRedis(executable, tmp)
+        server.start()
+        try:
+            yield server
+        finally:
+            server.kill()
 
 
 @contextmanager

@@ -22,9 +22,13 @@ ROW_KEYS = {
     "mbsu",
     "tokens_per_s",
     "speedup_vs_ar",
+    "budget",
+    "best",
     "draft_s",
     "verify_s",
+    "accept_s",
     "other_s",
+    "step_ms",
     "acceptance_by_depth",
     "matches_ar",
     "outputs",
@@ -81,7 +85,9 @@ def test_bench_tiny_schema_and_greedy_equality(tmp_path, capsys):
         assert row["speedup_vs_ar"] == pytest.approx(row["tokens_per_s"] / rows[("ar", temp)]["tokens_per_s"])
         assert row["block_efficiency"] == pytest.approx(16 / row["target_calls"])
         assert 0 < row["first_step_s"] < row["total_s"] and row["steady_tokens_per_s"] > 0
-        assert row["draft_s"] + row["verify_s"] + row["other_s"] == pytest.approx(row["total_s"])
+        assert row["protocol"] == "custom" and row["budget"] is None and row["best"] is None
+        assert row["draft_s"] + row["verify_s"] + row["accept_s"] + row["other_s"] == pytest.approx(row["total_s"])
+        assert sum(row["step_ms"].values()) == pytest.approx(1000 * row["total_s"] / row["target_calls"])
         if label == "ar":
             assert row["block_efficiency"] == 1 and row["mbsu"] == 1 and row["nodes"] == 0
         else:
@@ -124,3 +130,52 @@ def test_stdlib_prompts_are_fixed_and_cut_after_docstring():
         assert p["prompt"].lstrip().startswith(("def ", "async def ", "@"))
         assert p["prompt"].rstrip().endswith(('"""', "'''"))
     assert bench.stdlib_prompts(5, seed=1) != first
+
+
+def test_protocol_plans_match_the_paper_protocols():
+    specs, where = bench.plan("all", [2, 3, 4, 5], [6, 10, 14, 21, 30])
+    labels = [s.label for s in specs]
+    assert len(labels) == len(set(labels)) and labels[0] == "ar" and labels[-1] == "hf_assisted"
+    for spec in specs[1:-1]:
+        method = spec.method()
+        for protocol, budget in where[spec.label]:
+            if protocol == "fixed_nodes":
+                assert method.max_draft_tokens <= budget
+    for depth in (2, 3, 4, 5):  # fixed_depth: every method once per depth, all `depth` deep
+        at_depth = [s for s in specs[1:-1] if ("fixed_depth", None) in where[s.label] and s.method().depth == depth]
+        assert sorted(s.name for s in at_depth) == ["rsd_c", "rsd_s", "sd", "specinfer", "spectr"]
+    for budget in (6, 10, 14, 21, 30):  # fixed_nodes: every method competes in every budget
+        names = {s.name for s in specs[1:-1] if ("fixed_nodes", budget) in where[s.label]}
+        assert names == {"sd", "specinfer", "spectr", "rsd_c", "rsd_s"}
+    assert ("fixed_nodes", 10) in where["rsd_c:2,2,1"] and ("fixed_depth", None) in where["rsd_c:2,2,1"]
+    with pytest.raises(ValueError):
+        bench.fixed_nodes_specs(7)
+
+
+def test_bench_protocol_run_marks_best_and_plots(tmp_path):
+    draft_dir, target_dir = build_tiny_pair(tmp_path / "models", "llama")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "w1 w2 w3 w4"}\n')
+    argv = ["--draft", str(draft_dir), "--target", str(target_dir), "--prompts", str(prompts)]
+    argv += ["--protocol", "fixed_nodes", "--budgets", "6", "--temperatures", "0", "--max-new-tokens", "6"]
+    argv += ["--ignore-eos", "--cost-reps", "1", "--small-batch-linear", "64", "--out-dir", str(tmp_path / "out")]
+    assert bench.main([*argv, "--name", "proto"]) == 0
+    result = json.loads((tmp_path / "out" / "proto.json").read_text())
+    rows = result["rows"]
+    ar_rows = [r for r in rows if r["method"] == "ar"]
+    assert sorted(r["label"] for r in ar_rows) == ["ar", "ar:plain"]  # the fastest of both is the reference
+    fastest = max(ar_rows, key=lambda r: r["tokens_per_s"])
+    for r in rows:
+        assert r["ar_reference"] == fastest["label"]
+        assert r["speedup_vs_ar"] == pytest.approx(r["tokens_per_s"] / fastest["tokens_per_s"])
+        assert r["matches_ar"] is True  # T = 0: small-batch linear and every method keep the greedy output
+    budget_rows = [r for r in rows if r["protocol"] == "fixed_nodes"]
+    for method in ("sd", "specinfer", "spectr", "rsd_c", "rsd_s"):
+        group = [r for r in budget_rows if r["method"] == method]
+        assert group and all(r["budget"] == 6 for r in group)
+        assert sum(r["best"] for r in group) == 1
+        assert max(group, key=lambda r: r["block_efficiency"])["best"]
+    md = (tmp_path / "out" / "proto.md").read_text()
+    assert "### Block efficiency at a fixed target budget" in md and "**best**" in md
+    for png in ("proto-block-efficiency.png", "proto-tokens-per-s.png"):
+        assert (tmp_path / "out" / png).read_bytes().startswith(b"\x89PNG")

@@ -3,6 +3,8 @@
 - the compose-spec schema, through `check-jsonschema --builtin-schema vendor.compose-spec` (a dev dependency);
 - cross-checks against the code: depends_on targets, RSD_* variables = config fields (and valid values),
   `python -m X` / `python -c` commands, gRPC healthchecks, ports on 127.0.0.1, GPU device ids, model paths;
+- the `ray` profile: a Ray head and the verifier pool's driver (deploy/ray_pool.py, RSD_POOL_* and
+  RSD_VERIFIER_* variables) in place of the verifier;
 - the process launcher (rsd_runtime/cluster.py, `rsd cluster --tiny`) starts the same topology with the
   same settings as the compose `cpu` profile.
 """
@@ -23,6 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from deploy.ray_pool import PoolConfig, parse_args
 from drafter_service.config import DrafterConfig
 from gateway.config import GatewayConfig
 from rsd_runtime import cluster as cluster_mod
@@ -39,6 +42,9 @@ SERVICES = {
     "drafter_service": (DrafterConfig, "drafter", "rsd.v1.Drafter"),
     "gateway": (GatewayConfig, "gateway", "rsd.v1.Gateway"),
 }
+POOL = "deploy.ray_pool"  # the Ray pool's driver: PoolConfig (RSD_POOL_*) + VerifierConfig (RSD_VERIFIER_*)
+RAY_HEAD = "ray.scripts.scripts"  # `ray start --head`, as python -m (the image's entrypoint is python)
+PROFILES = ("gpu", "cpu", "ray")
 # RSD_* variables read outside the service configs (rsd_runtime.provision.default_cache_dir).
 OTHER_RSD_VARS = {"RSD_MODEL_CACHE"}
 # Fields compose sets that the launcher leaves at their default: container networking only.
@@ -98,9 +104,10 @@ def _long_running(services: dict) -> dict[str, dict]:
     return {name: s for name, s in services.items() if s.get("restart") != "no"}
 
 
-def _fields(service: dict) -> dict[str, str]:
-    """{config field: value} of the RSD_<SERVICE>_<FIELD> variables of a service container."""
-    _, name, _ = SERVICES[_module(service)]
+def _fields(service: dict, name: str = "") -> dict[str, str]:
+    """{config field: value} of the RSD_<SERVICE>_<FIELD> variables of a service container (the pool's
+    driver: name "pool" or "verifier")."""
+    name = name or SERVICES[_module(service)][1]
     prefix = f"RSD_{name.upper()}_"
     return {k[len(prefix) :].lower(): v for k, v in _env(service).items() if k.startswith(prefix)}
 
@@ -150,12 +157,15 @@ def test_depends_on_targets_exist_and_start_with_their_dependents(services):
             assert not target_profiles or _profiles(service) <= target_profiles, f"{name} -> {target}: profiles"
 
 
-def test_profiles_are_gpu_and_cpu_and_redis_is_shared(services):
-    assert {p for s in services.values() for p in _profiles(s)} == {"gpu", "cpu"}
+def test_profiles_are_gpu_cpu_and_ray_and_redis_is_shared(services):
+    assert {p for s in services.values() for p in _profiles(s)} == set(PROFILES)
     assert not _profiles(services["redis"])
     for profile in ("gpu", "cpu"):
         modules = [_module(s) for s in _long_running(_profile_services(services, profile)).values()]
         assert sorted(filter(None, modules)) == sorted(SERVICES), profile
+    # ray: the pool's driver and the Ray head instead of the verifier
+    modules = [_module(s) for s in _long_running(_profile_services(services, "ray")).values()]
+    assert sorted(filter(None, modules)) == sorted({*SERVICES, POOL, RAY_HEAD} - {"verifier_service"})
 
 
 def test_every_rsd_variable_is_a_config_field_with_a_valid_value(services):
@@ -167,6 +177,13 @@ def test_every_rsd_variable_is_a_config_field_with_a_valid_value(services):
             known = {f"RSD_{svc.upper()}_{f.name.upper()}" for f in dataclasses.fields(cls)} | OTHER_RSD_VARS
             config = load_config(cls, svc, [], env=env)  # parses every value and runs __post_init__ checks
             assert config.port > 0, f"{name}: a container needs a fixed port"
+        elif module == POOL:
+            known = {
+                f"RSD_{svc.upper()}_{f.name.upper()}"
+                for svc, cls in (("pool", PoolConfig), ("verifier", VerifierConfig))
+                for f in dataclasses.fields(cls)
+            }
+            parse_args([], env=env)  # both configs, checked
         else:
             known = OTHER_RSD_VARS
         for key in env:
@@ -233,25 +250,39 @@ def test_addresses_name_services_of_the_same_profile(services):
             assert fields["advertise_address"] == f"{name}:{fields['port']}", f"{name}: advertises another host"
             assert fields["host"] == "0.0.0.0", f"{name}: must listen beyond the container's loopback"
     # each profile's services share one Redis database (sessions + registry), distinct between profiles
-    urls = {p: {f["redis_url"] for f in _by_module(services, p).values()} for p in ("gpu", "cpu")}
-    assert all(len(u) == 1 for u in urls.values()) and urls["gpu"] != urls["cpu"], urls
+    urls = {p: {f["redis_url"] for f in _by_module(services, p).values()} for p in PROFILES}
+    pool = services["verifier-pool"]
+    urls["ray"].add(_fields(pool, "verifier")["redis_url"])
+    assert all(len(u) == 1 for u in urls.values()) and len(set.union(*urls.values())) == len(PROFILES), urls
+    # the pool's driver reaches the head through Ray Client, on the head's client server port
+    client = re.fullmatch(r"ray://([^:/]+):(\d+)", _fields(pool, "pool")["ray_address"])
+    assert client.group(1) == "ray-head" and client.group(1) in pool["depends_on"]
+    assert f"--ray-client-server-port={client.group(2)}" in services["ray-head"]["command"]
 
 
 def test_gpu_services_reserve_distinct_devices(services):
-    reserved: dict[str, list[str]] = {}
+    reserved: dict[str, dict[str, list[str]]] = {"gpu": {}, "ray": {}}
     for name, service in services.items():
         devices = service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
         if not devices:
             if _module(service) in ("verifier_service", "drafter_service"):
                 assert _fields(service)["device"] == "cpu", f"{name}: no GPU reserved but device is not cpu"
             continue
-        assert "gpu" in _profiles(service), f"{name}: a GPU reservation outside the gpu profile"
+        (profile,) = _profiles(service) & {"gpu", "ray"}
         ids = [i for d in devices for i in d["device_ids"]]
         assert len(ids) == 1 and all("gpu" in d["capabilities"] for d in devices), name
-        assert _fields(service)["device"] == "cuda:0", f"{name}: the container sees one GPU, as cuda:0"
-        reserved[_module(service)] = ids
-    assert set(reserved) == {"verifier_service", "drafter_service"}
-    assert not set(reserved["verifier_service"]) & set(reserved["drafter_service"]), reserved
+        if _module(service) == RAY_HEAD:  # the replicas run there; the pool's driver names their device
+            fields = _fields(services["verifier-pool"], "verifier")
+            assert float(_fields(services["verifier-pool"], "pool")["num_gpus_per_replica"]) == 1
+        else:
+            fields = _fields(service)
+        assert fields["device"] == "cuda:0", f"{name}: the container (or a replica) sees one GPU, as cuda:0"
+        reserved[profile][_module(service)] = ids
+    assert set(reserved["gpu"]) == {"verifier_service", "drafter_service"}
+    assert set(reserved["ray"]) == {RAY_HEAD, "drafter_service"}
+    for devices in reserved.values():
+        first, second = devices.values()
+        assert not set(first) & set(second), devices
 
 
 def test_model_paths_are_in_the_model_volume(compose, services):
@@ -264,6 +295,12 @@ def test_model_paths_are_in_the_model_volume(compose, services):
     assert gpu["drafter_service"]["model"] == f"{MODEL_CACHE}/{MODELS['draft'].name}"
     assert gpu["gateway"]["tokenizer"] == gpu["verifier_service"]["model"]
     assert services["models"]["command"] == ["-m", "rsd_runtime.provision"]  # into default_cache_dir()
+    ray = _by_module(services, "ray")
+    pool = _fields(services["verifier-pool"], "verifier")
+    assert pool["model"] == gpu["verifier_service"]["model"] == ray["gateway"]["tokenizer"]
+    assert ray["drafter_service"]["model"] == gpu["drafter_service"]["model"]
+    # the replicas load the model where they run: the Ray head has the volume too
+    assert f"models:{MODEL_CACHE}" in services["ray-head"]["volumes"]
 
 
 def test_gpu_and_cpu_profiles_set_the_same_fields(services):

@@ -521,6 +521,8 @@ def test_concurrent_sessions(loop, pair):
         assert gen.token_ids == reference(pair, prompt_ids, "sd", "3", 12), i
     assert {r.session_id for r in results.values()}.__len__() == 8
     assert all(d.runs for d in s.drafters)  # the load spread over both drafters
+    # ... and over both verifiers, although all 8 picks happen at once (each pick is held before any await)
+    assert len({run.verifier_address for d in s.drafters for run in d.runs}) == 2
 
 
 @pytest.mark.parametrize("dead", ["drafter", "verifier"])

@@ -71,6 +71,9 @@ class Batcher:
         # of them are queued already, waiting for more only adds latency (a lone session paid
         # ~batch_wait_ms per step before this).
         self.open_sessions: Callable[[], int] | None = None
+        # Metrics (rsd_runtime.metrics.VerifierMetrics): called after each forward with the rows each
+        # request added and the forward's seconds.
+        self.on_forward: Callable[[list[int], float], None] | None = None
 
     def start(self) -> None:
         if self._worker is None:
@@ -85,6 +88,11 @@ class Batcher:
             if not item.future.done():
                 item.future.set_exception(RuntimeError("the verifier is stopping"))
         self._pending.clear()
+
+    @property
+    def num_queued(self) -> int:
+        """Trees waiting for a forward."""
+        return len(self._pending)
 
     async def submit(self, request: VerifyRequest, num_nodes: int, on_verdict: Callable[[Verdict, BatchInfo], T]) -> T:
         """Queue one session's tree; returns on_verdict(verdict, info), or raises what the engine raised.
@@ -173,6 +181,8 @@ class Batcher:
         self.stats.num_trees += len(batch)
         self.stats.max_sessions = max(self.stats.max_sessions, len(batch))
         self.stats.num_multi_session_forwards += len(batch) > 1
+        if self.on_forward is not None:
+            self.on_forward([p.num_nodes for p in batch], forward_ms / 1000)
         for item, outcome in zip(batch, outcomes, strict=True):
             if not isinstance(outcome, Exception):
                 info = BatchInfo((start - item.submitted) * 1000, forward_ms, len(batch), num_nodes)

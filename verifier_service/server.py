@@ -18,8 +18,17 @@ import torch
 from grpc_health.v1 import health
 
 from gateway.store import RedisSessionStore, ServiceInfo
+from rsd_runtime.metrics import VerifierMetrics
 from rsd_runtime.models import load_model
-from rsd_runtime.serving import Heartbeat, default_service_id, load_config, serve_until_signal, start_server
+from rsd_runtime.security import server_security
+from rsd_runtime.serving import (
+    Heartbeat,
+    default_service_id,
+    load_config,
+    serve_until_signal,
+    setup_logging,
+    start_server,
+)
 from rsd_wire import verifier_pb2_grpc
 from verifier_service.batcher import Batcher
 from verifier_service.config import VerifierConfig
@@ -41,6 +50,7 @@ class VerifierHandle:
     batcher: Batcher
     servicer: VerifierServicer
     health: health.aio.HealthServicer
+    metrics: VerifierMetrics
     heartbeat: Heartbeat | None = None
 
     def service_info(self) -> ServiceInfo:
@@ -58,6 +68,7 @@ class VerifierHandle:
         await self.drain()
         await server.stop(grace_s)
         await self.batcher.stop()
+        self.metrics.close()
 
 
 async def create_server(
@@ -74,13 +85,26 @@ async def create_server(
     engine = BatchedVerifier(model, config.num_slots, config.max_len)
     batcher = Batcher(engine, config.max_batch_nodes, config.batch_wait_ms, config.batching)
     servicer = VerifierServicer(engine, batcher, config.verifier_id, config.max_tree_nodes)
+    metrics = VerifierMetrics(servicer, batcher)
     server, port, health_servicer = await start_server(
-        [(verifier_pb2_grpc.add_VerifierServicer_to_server, servicer)], [SERVICE_NAME], config.host, config.port
+        [(verifier_pb2_grpc.add_VerifierServicer_to_server, servicer)],
+        [SERVICE_NAME],
+        config.host,
+        config.port,
+        security=server_security(config, "internal_token"),
+        interceptors=[metrics.interceptor()],
+        max_message_bytes=config.max_message_bytes,
+        max_concurrent_rpcs=config.max_concurrent_rpcs,
     )
     servicer.verifier_id = config.verifier_id or default_service_id("verifier", config.host, port)
     address = config.advertise_address or f"{config.host}:{port}"
     batcher.start()
-    handle = VerifierHandle(config, servicer.verifier_id, address, engine, batcher, servicer, health_servicer)
+    handle = VerifierHandle(config, servicer.verifier_id, address, engine, batcher, servicer, health_servicer, metrics)
+    try:
+        metrics.serve(config.host, config.metrics_port)
+    except Exception:
+        await handle.close(server, 0)
+        raise
     if config.redis_url:
         store = RedisSessionStore(redis.Redis.from_url(config.redis_url), namespace=config.redis_namespace)
         handle.heartbeat = Heartbeat(store, handle.service_info, config.heartbeat_s, config.registration_ttl_s)
@@ -104,6 +128,6 @@ async def serve(config: VerifierConfig) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = load_config(VerifierConfig, "verifier", sys.argv[1:] if argv is None else argv)
+    setup_logging(config.log_format)
     asyncio.run(serve(config))

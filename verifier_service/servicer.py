@@ -34,6 +34,7 @@ from verifier_service.engine import BatchedVerifier, PoolFullError, UnknownSessi
 
 log = logging.getLogger(__name__)
 _SESSION_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")  # the registry's id alphabet (gateway/store.py)
+ATTACH_GRACE_S = 30.0  # an attached session is not evicted for this long before its first tree (a config field later)
 
 
 class RpcError(Exception):
@@ -102,6 +103,15 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"session {sid!r} is attached at epoch {current.epoch}; epoch {request.epoch} is older",
                 )
+            if current is not None and request.epoch == current.epoch:
+                # One run attaches once: a repeat is a retry (same tokens: answered as is) or a stray
+                # request that must not crop the running session's cache nor reset its RNG.
+                if committed != current.committed:
+                    raise RpcError(
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        f"session {sid!r} is already attached at epoch {current.epoch} with other tokens",
+                    )
+                return self._attached(current.cached_at_attach)
             if current is None and self.engine.num_free_slots == 0:
                 self._evict_idle(sid)
             cached = self.engine.attach(sid, committed)
@@ -117,17 +127,21 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             )
             self._last_used[sid] = time.monotonic()
         log.info("attached %s epoch %d: %d committed, %d cached", sid, request.epoch, len(committed), cached)
+        return self._attached(cached)
+
+    def _attached(self, cached: int) -> verifier_pb2.AttachResponse:
         return verifier_pb2.AttachResponse(
             verifier_id=self.verifier_id,
             cached_length_tokens=cached,
-            vocab_size=vocab,
+            vocab_size=self.engine.vocab_size,
             max_tree_nodes=self.max_tree_nodes,
         )
 
     def _evict_idle(self, for_session: str) -> None:
         """Free the slot of the least recently used session with no open Verify stream (its drafter
         finished; a later run re-attaches and re-prefills). Caller holds the engine lock."""
-        idle = [s for s in self.sessions if not self._open_streams.get(s)]
+        now = time.monotonic()
+        idle = [s for s in self.sessions if not self._open_streams.get(s) and not self._awaiting_stream(s, now)]
         if not idle:
             slots = self.engine.num_slots
             raise PoolFullError(f"all {slots} KV slots hold active sessions; cannot attach {for_session!r}")
@@ -136,6 +150,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         del self.sessions[victim]
         self._last_used.pop(victim, None)
         log.info("evicted idle session %s to attach %s", victim, for_session)
+
+    def _awaiting_stream(self, session_id: str, now: float) -> bool:
+        """Attached moments ago, its first tree not sent yet (the drafter drafts it): not idle. Evicting it
+        (found by the load test) failed the run with NOT_FOUND at its first step. A drafter that never
+        sends one leaves it evictable after ATTACH_GRACE_S."""
+        fresh = now - self._last_used.get(session_id, 0.0) < ATTACH_GRACE_S
+        return fresh and self.sessions[session_id].num_steps == 0
 
     # ---- Verify ---------------------------------------------------------------------------------
     async def Verify(self, request_iterator, context):
@@ -217,7 +238,17 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 self._last_used[sid] = time.monotonic()
                 return reply
 
-            return await self.batcher.submit(request, num_new, record)
+            step = asyncio.ensure_future(self.batcher.submit(request, num_new, record))
+            try:
+                return await asyncio.shield(step)
+            except asyncio.CancelledError:
+                # The stream went away mid-step (a deadline, a dropped connection): the step still runs and
+                # commits. Hold the session's lock until it has, so a retry of the step finds its stored
+                # verdict instead of verifying it twice (a second cache extension and RNG draw).
+                await asyncio.wait({step})
+                if not step.cancelled():
+                    step.exception()  # retrieved: nobody is left to answer
+                raise
 
     def _current(self, sid: str, epoch: int) -> _Session:
         session = self.sessions.get(sid)
@@ -233,9 +264,15 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     # ---- Release --------------------------------------------------------------------------------
     async def Release(self, request: verifier_pb2.ReleaseRequest, context) -> verifier_pb2.ReleaseResponse:
+        try:
+            _check_session_id(request.session_id)
+        except ValueError as e:
+            await self._abort(context, e, "")
         async with self.batcher.engine_lock:
             session = self.sessions.get(request.session_id)
-            if session is None or session.epoch > request.epoch:  # nothing held, or a newer attach stays
+            # Only the run that attached releases: an older one must not drop a newer run's cache, nor a
+            # made-up later epoch someone else's.
+            if session is None or session.epoch != request.epoch:
                 return verifier_pb2.ReleaseResponse(released=False)
             self.engine.release(request.session_id)
             del self.sessions[request.session_id]
