@@ -43,10 +43,6 @@ from rsd_wire import common_pb2, verifier_pb2, verifier_pb2_grpc
 from rsd_wire.convert import draft_tree_to_proto, verdict_from_proto
 
 log = logging.getLogger(__name__)
-# A verdict not back within VERIFY_TIMEOUT_S, or a Verify stream that broke, is resent on a fresh stream,
-# VERIFY_ATTEMPTS times in all (config fields later: DrafterConfig is owned elsewhere).
-VERIFY_TIMEOUT_S = 60.0
-VERIFY_ATTEMPTS = 3
 
 
 class DraftPoolFullError(RuntimeError):
@@ -197,7 +193,7 @@ class DrafterEngine:
         async with channel(job.verifier_address, self.verifier_security) as verifier_channel:
             stub = verifier_pb2_grpc.VerifierStub(verifier_channel)
             await self._attach(stub, job)
-            call = _VerifyStream(stub)
+            call = _VerifyStream(stub, self.config.verify_timeout_s, self.config.verify_attempts)
             try:
                 while True:
                     if cancel.is_set():
@@ -256,22 +252,24 @@ class DrafterEngine:
 class _VerifyStream:
     """The run's Verify stream, with a deadline per step. A step that times out or whose stream broke is
     resent, the very same tree, on a fresh stream: the verifier keys a step by (session, epoch, root
-    position) and answers a repeated tree with the verdict it stored, so its cache grows once."""
+    position) and answers a repeated tree with the verdict it stored, so its cache grows once.
+    timeout_s, attempts: DrafterConfig.verify_timeout_s, verify_attempts."""
 
-    def __init__(self, stub: verifier_pb2_grpc.VerifierStub):
+    def __init__(self, stub: verifier_pb2_grpc.VerifierStub, timeout_s: float, attempts: int):
         self.stub, self.call = stub, stub.Verify()
+        self.timeout_s, self.attempts = timeout_s, attempts
 
     async def exchange(self, msg: verifier_pb2.DraftTree, cancel: asyncio.Event) -> verifier_pb2.Verdict | None:
-        for attempt in range(1, VERIFY_ATTEMPTS + 1):
+        for attempt in range(1, self.attempts + 1):
             try:
-                return await asyncio.wait_for(_exchange(self.call, msg, cancel), VERIFY_TIMEOUT_S)
+                return await asyncio.wait_for(_exchange(self.call, msg, cancel), self.timeout_s)
             except TimeoutError:
-                error = VerifierFailedError(grpc.StatusCode.UNAVAILABLE, f"no verdict in {VERIFY_TIMEOUT_S} s")
+                error = VerifierFailedError(grpc.StatusCode.UNAVAILABLE, f"no verdict in {self.timeout_s} s")
             except VerifierFailedError as e:
                 if e.code != grpc.StatusCode.UNAVAILABLE:  # the verifier refused the step: a retry would too
                     raise
                 error = e
-            if attempt == VERIFY_ATTEMPTS:
+            if attempt == self.attempts:
                 raise error
             log.warning("session %s step at %d: %s; resending (%d)", msg.session_id, msg.root_position, error, attempt)
             self.call.cancel()

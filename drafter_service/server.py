@@ -23,14 +23,13 @@ from drafter_service.servicer import DrafterServicer
 from gateway.store import RedisSessionStore, ServiceInfo
 from rsd_runtime.metrics import DrafterMetrics
 from rsd_runtime.models import load_model
-from rsd_runtime.security import server_security
 from rsd_runtime.serving import (
     Heartbeat,
     default_service_id,
     load_config,
     serve_until_signal,
     setup_logging,
-    start_server,
+    start_service,
 )
 from rsd_wire import drafter_pb2_grpc
 
@@ -81,34 +80,21 @@ async def create_server(
     engine = DrafterEngine(model, config)
     servicer = DrafterServicer(engine)
     metrics = DrafterMetrics(engine)
-    server, port, health_servicer = await start_server(
-        [(drafter_pb2_grpc.add_DrafterServicer_to_server, servicer)],
-        [SERVICE_NAME],
-        config.host,
-        config.port,
-        security=server_security(config, "internal_token"),
-        interceptors=[metrics.interceptor()],
-        max_message_bytes=config.max_message_bytes,
-        max_concurrent_rpcs=config.max_concurrent_rpcs,
+    server, port, health_servicer = await start_service(
+        config, (drafter_pb2_grpc.add_DrafterServicer_to_server, servicer), SERVICE_NAME, metrics
     )
     drafter_id = config.drafter_id or default_service_id("drafter", config.host, port)
     address = config.advertise_address or f"{config.host}:{port}"
     handle = DrafterHandle(config, drafter_id, address, engine, servicer, health_servicer, metrics)
-    try:
-        metrics.serve(config.host, config.metrics_port)
-    except Exception:
-        await handle.close(server, 0)
-        raise
     if config.redis_url:
         store = RedisSessionStore(redis.Redis.from_url(config.redis_url), namespace=config.redis_namespace)
-        handle.heartbeat = Heartbeat(store, handle.service_info, config.heartbeat_s, config.registration_ttl_s)
+        heartbeat = Heartbeat(store, handle.service_info, config.heartbeat_s, config.registration_ttl_s)
         try:
-            await handle.heartbeat.start()
+            await heartbeat.start()  # fail fast on a wrong URL
         except Exception:
-            await handle.heartbeat.close(unregister=False)
-            handle.heartbeat = None
             await handle.close(server, 0)
             raise
+        handle.heartbeat = heartbeat
     log.info("drafter %s on %s: %d sessions, max_len %d", drafter_id, address, config.max_sessions, config.max_len)
     return server, port, handle
 

@@ -13,15 +13,17 @@ import re
 from dataclasses import dataclass, field
 
 from rsd.methods import Method
+from rsd_runtime.service_config import PeerTLSConfig, ServiceConfig
 
 _SERVICE = re.compile(r"([A-Za-z0-9._-]{1,128})=([^=,\s]+:\d+)")
 
 
 @dataclass(frozen=True)
-class GatewayConfig:
+class GatewayConfig(PeerTLSConfig, ServiceConfig):
     """rsd gateway: the public Generate / Cancel / GetSession API."""
 
-    host: str = "127.0.0.1"
+    # Network, security (TLS of the public port; internal_token and peer_tls_* for dialing drafters
+    # and verifiers), limits and operations: rsd_runtime.service_config.
     port: int = 7000  # 0 picks a free port
     gateway_id: str = "gateway-0"  # in logs only
     tokenizer: str = ""  # model folder whose tokenizer encodes text input and decodes deltas (required)
@@ -43,49 +45,42 @@ class GatewayConfig:
     service_down_s: float = 10.0  # a static-list service that failed is skipped this long
     health_timeout_s: float = 1.0  # probe after a failure: is the drafter / verifier still up?
     resume_poll_s: float = 0.05  # a resumed stream following another gateway's turn polls the store
-    drain_s: float = 10.0  # grace for running turns on SIGTERM
+    # A running turn refreshes its session every turn_lease_s / 3 (the store's updated_unix_ms); a RUNNING
+    # session not refreshed for turn_lease_s lost its gateway, and a resume on any gateway takes the turn
+    # over with a new epoch.
+    turn_lease_s: float = 5.0
+    # How long a store call is retried while Redis is unreachable (a restart) before the turn fails UNAVAILABLE.
+    store_retry_s: float = 15.0
     # A turn generating longer than this ends with DEADLINE_EXCEEDED; the tokens it committed stay in
     # the session (continue or resume it). 0 = no limit.
     request_timeout_s: float = 600.0
-    # Security (rsd_runtime.security). The public API: TLS with tls_cert + tls_key (PEM files), client
-    # certificates signed by tls_ca required when it is set (mTLS), and a bearer token (auth_token as a
-    # value, e.g. env RSD_GATEWAY_AUTH_TOKEN, or auth_token_file; "" = none) that every call but gRPC
-    # health and reflection must carry as `authorization: Bearer <token>`.
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_ca: str = ""
+    # The public API's bearer token (auth_token as a value, e.g. env RSD_GATEWAY_AUTH_TOKEN, or
+    # auth_token_file; "" = none): every call but gRPC health and reflection must carry it as
+    # `authorization: Bearer <token>`. TLS of the public API: tls_cert + tls_key, and client certificates
+    # signed by tls_ca required when it is set (mTLS).
     auth_token: str = field(default="", repr=False)
     auth_token_file: str = ""
-    # Dialing drafters and verifiers: TLS when peer_tls_ca is set (the CA of their certificates), a client
-    # certificate for mTLS (peer_tls_cert + peer_tls_key), and the internal shared secret on every call.
-    peer_tls_ca: str = ""
-    peer_tls_cert: str = ""
-    peer_tls_key: str = ""
-    internal_token: str = field(default="", repr=False)
-    internal_token_file: str = ""
-    # Limits of the public port: largest message (requests are text or token ids, replies small deltas)
-    # and calls at once, resumes included (more: RESOURCE_EXHAUSTED from gRPC; 0 = no limit).
+    # Limits of the public port: the largest message (requests are text or token ids, replies small
+    # deltas); max_concurrent_rpcs counts resumes too.
     max_message_bytes: int = 4 * 1024 * 1024
-    max_concurrent_rpcs: int = 1024
-    # Operations: Prometheus exporter on metrics_port (0 = off; plain HTTP on host); logs "text" or "json".
-    metrics_port: int = 0
-    log_format: str = "text"
+
+    def checks(self) -> dict[str, bool]:
+        return {
+            **super().checks(),
+            "max_prompt_tokens": self.max_prompt_tokens >= 1,
+            "max_session_tokens": self.max_session_tokens >= 1,
+            "max_new_tokens_limit": self.max_new_tokens_limit >= 1,
+            "default_max_new_tokens": 1 <= self.default_max_new_tokens <= self.max_new_tokens_limit,
+            "max_running_turns": self.max_running_turns >= 1,
+            "max_failovers": self.max_failovers >= 0,
+            "turn_lease_s": self.turn_lease_s > 0,
+            "store_retry_s": self.store_retry_s > 0,
+            "request_timeout_s": self.request_timeout_s >= 0,
+        }
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         Method.parse(self.default_method, self.default_shape)  # ValueError names the problem
-        for name in ("max_prompt_tokens", "max_session_tokens", "max_new_tokens_limit", "default_max_new_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.default_max_new_tokens > self.max_new_tokens_limit:
-            raise ValueError("default_max_new_tokens must not exceed max_new_tokens_limit")
-        if self.max_running_turns < 1 or self.max_failovers < 0:
-            raise ValueError("max_running_turns must be >= 1 and max_failovers >= 0")
-        if self.request_timeout_s < 0 or self.max_message_bytes < 1024 or self.max_concurrent_rpcs < 0:
-            raise ValueError("request_timeout_s and max_concurrent_rpcs must be >= 0, max_message_bytes >= 1024")
-        if not 0 <= self.metrics_port < 65536 or self.log_format not in ("text", "json"):
-            raise ValueError(
-                f"metrics_port must be a port (0 = off) and log_format text or json, got {self.log_format!r}"
-            )
         parse_services(self.drafters, "drafters")
         parse_services(self.verifiers, "verifiers")
 

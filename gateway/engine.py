@@ -63,12 +63,6 @@ DEFAULT_SHAPES = {"sd": "4", "specinfer": "2,2,1", "spectr": "3x4", "rsd_c": "2,
 _CONTEXT_TOKENS = 6  # committed tokens decoded in front of new ones, so spacing and merges come out right
 _MAX_REQUEST_ID = 128
 _MAX_STOP_CHARS = 256
-# A running turn refreshes its session every TURN_LEASE_S / 3 (the store's updated_unix_ms); a RUNNING
-# session not refreshed for TURN_LEASE_S lost its gateway, and a resume on any gateway takes the turn
-# over with a new epoch. (A config field later: GatewayConfig is owned elsewhere.)
-TURN_LEASE_S = 5.0
-# How long a store call is retried while Redis is unreachable (a restart) before the turn fails UNAVAILABLE.
-STORE_RETRY_S = 15.0
 
 _STATUS_TO_PROTO = {
     SessionStatus.PENDING: gateway_pb2.SESSION_STATUS_PENDING,
@@ -79,10 +73,10 @@ _STATUS_TO_PROTO = {
 }
 
 
-def _lease_expired(record: SessionRecord) -> bool:
-    """No gateway has refreshed the session's running turn for TURN_LEASE_S (wall clocks of the gateways
-    are compared: keep them in sync, as any lease does)."""
-    return time.time() * 1000 - record.updated_unix_ms > TURN_LEASE_S * 1000
+def _lease_expired(record: SessionRecord, lease_s: float) -> bool:
+    """No gateway has refreshed the session's running turn for lease_s (GatewayConfig.turn_lease_s; wall
+    clocks of the gateways are compared: keep them in sync, as any lease does)."""
+    return time.time() * 1000 - record.updated_unix_ms > lease_s * 1000
 
 
 class RequestError(ValueError):
@@ -106,7 +100,7 @@ class TurnFailed(Exception):
 
 
 class StoreUnavailable(TurnFailed):
-    """The session store stayed unreachable for STORE_RETRY_S (UNAVAILABLE: retry, nothing committed is lost)."""
+    """The session store stayed unreachable for store_retry_s (UNAVAILABLE: retry, nothing committed is lost)."""
 
     def __init__(self, error: Exception):
         super().__init__(f"session store unavailable: {error}", grpc.StatusCode.UNAVAILABLE)
@@ -413,9 +407,9 @@ class GatewayEngine:
         self._turns: dict[str, _Turn] = {}
 
     async def _store(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """A store call in a thread, retried while Redis is unreachable (e.g. restarting) for STORE_RETRY_S.
+        """A store call in a thread, retried while Redis is unreachable (e.g. restarting) for store_retry_s.
         Every store write is a compare-and-set, so a retry of one that did land is refused, never doubled."""
-        deadline, delay = time.monotonic() + STORE_RETRY_S, 0.05
+        deadline, delay = time.monotonic() + self.config.store_retry_s, 0.05
         while True:
             try:
                 return await asyncio.to_thread(fn, *args, **kwargs)
@@ -491,7 +485,7 @@ class GatewayEngine:
         msg_params = request.params if request.HasField("params") else None
         if request.session_id:
             record = await self._store(self.store.get_session, request.session_id)
-            running = record.status == SessionStatus.RUNNING and not _lease_expired(record)
+            running = record.status == SessionStatus.RUNNING and not _lease_expired(record, self.config.turn_lease_s)
             if running or request.session_id in self._turns:  # an expired lease: its gateway died, go on
                 raise SessionBusy(f"session {request.session_id!r} is already generating")
             params = merge_params(record.params, msg_params)
@@ -593,7 +587,7 @@ class GatewayEngine:
     async def _keep_lease(self, turn: _Turn) -> None:
         """Touch the session (updated_unix_ms) while the turn runs: the lease other gateways check."""
         while True:
-            await asyncio.sleep(TURN_LEASE_S / 3)
+            await asyncio.sleep(self.config.turn_lease_s / 3)
             try:
                 await asyncio.to_thread(self.store.update_session, turn.session_id, epoch=turn.epoch)
             except SessionConflict:
@@ -806,7 +800,7 @@ class GatewayEngine:
             record = await self._store(self.store.get_session, record.session_id)
             if record.status != SessionStatus.RUNNING and record.committed_length == position:
                 break
-            orphaned = record.status == SessionStatus.RUNNING and _lease_expired(record)
+            orphaned = record.status == SessionStatus.RUNNING and _lease_expired(record, self.config.turn_lease_s)
             if orphaned and record.session_id not in self._turns:  # its gateway died: continue the turn here
                 await self._take_over(record)
             await asyncio.sleep(self.config.resume_poll_s)

@@ -22,8 +22,7 @@ from gateway.engine import GatewayEngine
 from gateway.servicer import GatewayServicer
 from gateway.store import MemorySessionStore, RedisSessionStore, SessionStore
 from rsd_runtime.metrics import GatewayMetrics
-from rsd_runtime.security import server_security
-from rsd_runtime.serving import load_config, serve_until_signal, setup_logging, start_server
+from rsd_runtime.serving import load_config, serve_until_signal, setup_logging, start_service
 from rsd_wire import gateway_pb2_grpc
 
 log = logging.getLogger("rsd.gateway")
@@ -69,23 +68,10 @@ async def create_server(
     engine = GatewayEngine(config, store, tokenizer)
     servicer = GatewayServicer(engine)
     metrics = GatewayMetrics(engine)
-    server, port, health = await start_server(
-        [(gateway_pb2_grpc.add_GatewayServicer_to_server, servicer)],
-        ["rsd.v1.Gateway"],
-        config.host,
-        config.port,
-        security=server_security(config, "auth_token"),
-        interceptors=[metrics.interceptor()],
-        max_message_bytes=config.max_message_bytes,
-        max_concurrent_rpcs=config.max_concurrent_rpcs,
+    server, port, health = await start_service(
+        config, (gateway_pb2_grpc.add_GatewayServicer_to_server, servicer), "rsd.v1.Gateway", metrics, "auth_token"
     )
-    handle = GatewayHandle(engine, servicer, health, metrics)
-    try:
-        metrics.serve(config.host, config.metrics_port)
-    except Exception:
-        await handle.close(server, 0)
-        raise
-    return server, port, handle
+    return server, port, GatewayHandle(engine, servicer, health, metrics)
 
 
 async def serve(config: GatewayConfig) -> None:

@@ -5,10 +5,13 @@ rsd_runtime.metrics), text or JSON logs with the call's ids, and a graceful drai
 
     config = load_config(VerifierConfig, "verifier", argv)          # RSD_VERIFIER_PORT=7001 or --port 7001
     setup_logging(config.log_format)
-    server, port, health = await start_server([(add_VerifierServicer_to_server, servicer)],
-                                              ["rsd.v1.Verifier"], config.host, config.port,
-                                              security=server_security(config, "internal_token"))
+    metrics = VerifierMetrics(servicer, batcher)                    # rsd_runtime.metrics
+    server, port, health = await start_service(config, (add_VerifierServicer_to_server, servicer),
+                                               "rsd.v1.Verifier", metrics)  # start_server as the config says
     await serve_until_signal(server, health, grace_s=config.drain_s, on_drain=servicer.drain)
+
+The fields every service config shares (host, port, TLS, limits, metrics_port, ...) are in
+rsd_runtime.service_config.
 """
 
 from __future__ import annotations
@@ -26,14 +29,18 @@ import socket
 import types
 import typing
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from rsd_runtime.security import ClientSecurity, ServerSecurity, channel
+from rsd_runtime.security import ClientSecurity, ServerSecurity, channel, server_security
 from rsd_wire import GRPC_OPTIONS, grpc_options
+
+if TYPE_CHECKING:  # rsd_runtime.metrics imports this module
+    from rsd_runtime.metrics import ServiceMetrics
+    from rsd_runtime.service_config import ServiceConfig
 
 T = TypeVar("T")
 
@@ -160,6 +167,35 @@ async def start_server(
     return server, bound, health_servicer
 
 
+async def start_service(
+    config: ServiceConfig,
+    servicer: tuple[Callable[[Any, grpc.aio.Server], None], Any],
+    service_name: str,
+    metrics: ServiceMetrics,
+    token_field: str = "internal_token",
+) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """start_server as a service config says: on config.host:config.port with its TLS and the token its
+    callers must carry (the config's `token_field`, e.g. the gateway's "auth_token"), its message and
+    concurrency limits, `metrics` counting every call; then the metrics exporter on config.metrics_port
+    (0 = off). When the exporter cannot start, the server is stopped and the error raised."""
+    server, port, health_servicer = await start_server(
+        [servicer],
+        [service_name],
+        config.host,
+        config.port,
+        security=server_security(config, token_field),
+        interceptors=[metrics.interceptor()],
+        max_message_bytes=config.max_message_bytes,
+        max_concurrent_rpcs=config.max_concurrent_rpcs,
+    )
+    try:
+        metrics.serve(config.host, config.metrics_port)
+    except Exception:
+        await server.stop(0)
+        raise
+    return server, port, health_servicer
+
+
 async def serve_until_signal(
     server: grpc.aio.Server,
     health_servicer: health.aio.HealthServicer,
@@ -203,7 +239,7 @@ class Heartbeat:
     expires `ttl_s` after the last refresh, so a crashed service disappears by itself.
 
         heartbeat = Heartbeat(store, lambda: ServiceInfo("verifier", id, address, capacity, load), 2.0, 6.0)
-        await heartbeat.start()        # raises if the registry is unreachable
+        await heartbeat.start()        # raises (the store's client closed) if the registry is unreachable
         ...
         await heartbeat.close()        # stop, unregister, close the store's client
     """
@@ -215,7 +251,11 @@ class Heartbeat:
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
-        await self._beat()
+        try:
+            await self._beat()
+        except Exception:  # nothing left open: the caller only reports the error
+            self.store.client.close()
+            raise
         self._task = asyncio.create_task(self._run(), name="heartbeat")
 
     async def stop(self, unregister: bool = True) -> None:

@@ -138,10 +138,10 @@ def _write_report() -> None:
         "  drops the dead one, begins a new epoch and re-runs from the committed tokens in Redis (a verifier",
         "  re-prefills them). Every token equal to the uninterrupted run, positions contiguous.",
         "- gateway: the client's stream fails UNAVAILABLE; it resumes on the other gateway with (session id,",
-        "  position). That gateway takes the turn over once the dead one's turn lease (TURN_LEASE_S = 5 s,",
+        "  position). That gateway takes the turn over once the dead one's turn lease (turn_lease_s = 5 s,",
         "  refreshed every 1.7 s) has expired, so the figure is the lease plus a poll.",
         "- Redis: down for 1 s (SIGKILL, append-only file with fsync always), then restarted on its port; the",
-        "  gateway retries its store calls (up to STORE_RETRY_S = 15 s, then UNAVAILABLE) and the generation",
+        "  gateway retries its store calls (up to store_retry_s = 15 s, then UNAVAILABLE) and the generation",
         "  goes on where it was, no committed token lost.",
         "- a verifier that answers late (past the drafter's per-step deadline) or drops its stream after",
         "  committing: the drafter resends the same tree on a fresh stream and gets the stored verdict; the",
@@ -272,13 +272,12 @@ def test_redis_down_for_good_is_unavailable(cluster):
         cluster.redis.start()
 
 
-def test_slow_and_dropped_verify_steps_are_retried_without_a_second_commit(tmp_path, monkeypatch):
+def test_slow_and_dropped_verify_steps_are_retried_without_a_second_commit(tmp_path):
     """In-process drafter and verifier. One step's forward takes longer than the drafter's deadline; another
     step's verdict is committed but its stream is dropped before the answer. The drafter resends each tree
     on a fresh stream; the verifier answers the repeat with its stored verdict. Sampling at T=0.8 with a
     seed, so a second verification (a second RNG draw) would change the tokens; the cache holds exactly
     the committed tokens but the last."""
-    from drafter_service import engine as drafter_engine
     from drafter_service import server as drafter_server
     from drafter_service.config import DrafterConfig
     from rsd.methods import Method
@@ -297,11 +296,10 @@ def test_slow_and_dropped_verify_steps_are_retried_without_a_second_commit(tmp_p
     method, sampling = Method.parse("rsd_c", "2,2"), SamplingParams(0.8)
     gen = SpeculativeGenerator(ModelRunner(target, 256), ModelRunner(draft, 256), draft_top_k=256)
     expected = gen.generate(prompt, method, sampling, max_new_tokens=new_tokens, seed=seed).token_ids
-    monkeypatch.setattr(drafter_engine, "VERIFY_TIMEOUT_S", 0.5)
 
     async def main():
         vserver, _, v = await verifier_server.create_server(VerifierConfig(max_len=256, verifier_id="v"), target)
-        dserver, _, d = await drafter_server.create_server(DrafterConfig(max_len=256), draft)
+        dserver, _, d = await drafter_server.create_server(DrafterConfig(max_len=256, verify_timeout_s=0.5), draft)
         forwards, answers = [0], [0]
         verify_batch, verify_one = v.engine.verify_batch, v.servicer._verify
 

@@ -20,14 +20,13 @@ from grpc_health.v1 import health
 from gateway.store import RedisSessionStore, ServiceInfo
 from rsd_runtime.metrics import VerifierMetrics
 from rsd_runtime.models import load_model
-from rsd_runtime.security import server_security
 from rsd_runtime.serving import (
     Heartbeat,
     default_service_id,
     load_config,
     serve_until_signal,
     setup_logging,
-    start_server,
+    start_service,
 )
 from rsd_wire import verifier_pb2_grpc
 from verifier_service.batcher import Batcher
@@ -84,37 +83,24 @@ async def create_server(
         model = await asyncio.to_thread(load_model, config.model, config.device, config.dtype)
     engine = BatchedVerifier(model, config.num_slots, config.max_len)
     batcher = Batcher(engine, config.max_batch_nodes, config.batch_wait_ms, config.batching)
-    servicer = VerifierServicer(engine, batcher, config.verifier_id, config.max_tree_nodes)
+    servicer = VerifierServicer(engine, batcher, config.verifier_id, config.max_tree_nodes, config.attach_grace_s)
     metrics = VerifierMetrics(servicer, batcher)
-    server, port, health_servicer = await start_server(
-        [(verifier_pb2_grpc.add_VerifierServicer_to_server, servicer)],
-        [SERVICE_NAME],
-        config.host,
-        config.port,
-        security=server_security(config, "internal_token"),
-        interceptors=[metrics.interceptor()],
-        max_message_bytes=config.max_message_bytes,
-        max_concurrent_rpcs=config.max_concurrent_rpcs,
+    server, port, health_servicer = await start_service(
+        config, (verifier_pb2_grpc.add_VerifierServicer_to_server, servicer), SERVICE_NAME, metrics
     )
     servicer.verifier_id = config.verifier_id or default_service_id("verifier", config.host, port)
     address = config.advertise_address or f"{config.host}:{port}"
     batcher.start()
     handle = VerifierHandle(config, servicer.verifier_id, address, engine, batcher, servicer, health_servicer, metrics)
-    try:
-        metrics.serve(config.host, config.metrics_port)
-    except Exception:
-        await handle.close(server, 0)
-        raise
     if config.redis_url:
         store = RedisSessionStore(redis.Redis.from_url(config.redis_url), namespace=config.redis_namespace)
-        handle.heartbeat = Heartbeat(store, handle.service_info, config.heartbeat_s, config.registration_ttl_s)
+        heartbeat = Heartbeat(store, handle.service_info, config.heartbeat_s, config.registration_ttl_s)
         try:
-            await handle.heartbeat.start()  # fail fast on a wrong URL
+            await heartbeat.start()  # fail fast on a wrong URL
         except Exception:
-            await handle.heartbeat.close(unregister=False)
-            handle.heartbeat = None
             await handle.close(server, 0)
             raise
+        handle.heartbeat = heartbeat
     log.info("verifier %s on %s: %d slots, max_len %d", handle.verifier_id, address, config.num_slots, config.max_len)
     return server, port, handle
 

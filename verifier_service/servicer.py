@@ -34,7 +34,6 @@ from verifier_service.engine import BatchedVerifier, PoolFullError, UnknownSessi
 
 log = logging.getLogger(__name__)
 _SESSION_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")  # the registry's id alphabet (gateway/store.py)
-ATTACH_GRACE_S = 30.0  # an attached session is not evicted for this long before its first tree (a config field later)
 
 
 class RpcError(Exception):
@@ -62,10 +61,13 @@ class _Session:
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
-    def __init__(self, engine: BatchedVerifier, batcher: Batcher, verifier_id: str, max_tree_nodes: int):
+    def __init__(
+        self, engine: BatchedVerifier, batcher: Batcher, verifier_id: str, max_tree_nodes: int, attach_grace_s: float
+    ):
         self.engine, self.batcher = engine, batcher
         batcher.open_sessions = lambda: len(self._open_streams)
         self.verifier_id, self.max_tree_nodes = verifier_id, max_tree_nodes
+        self.attach_grace_s = attach_grace_s  # VerifierConfig.attach_grace_s
         self.sessions: dict[str, _Session] = {}
         self._open_streams: dict[str, int] = {}  # session -> Verify streams that sent it a tree
         self._last_used: dict[str, float] = {}  # session -> monotonic time of its last Attach/verdict
@@ -154,8 +156,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def _awaiting_stream(self, session_id: str, now: float) -> bool:
         """Attached moments ago, its first tree not sent yet (the drafter drafts it): not idle. Evicting it
         (found by the load test) failed the run with NOT_FOUND at its first step. A drafter that never
-        sends one leaves it evictable after ATTACH_GRACE_S."""
-        fresh = now - self._last_used.get(session_id, 0.0) < ATTACH_GRACE_S
+        sends one leaves it evictable after attach_grace_s."""
+        fresh = now - self._last_used.get(session_id, 0.0) < self.attach_grace_s
         return fresh and self.sessions[session_id].num_steps == 0
 
     # ---- Verify ---------------------------------------------------------------------------------

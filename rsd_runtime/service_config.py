@@ -1,0 +1,105 @@
+"""The settings every rsd service shares, as frozen dataclasses that each service's config extends.
+
+    ServiceConfig          every gRPC service: network, security, limits, operations
+    PeerTLSConfig          a service that dials others (gateway, drafter): TLS towards its peers
+    ModelServiceConfig     a service that holds a model (drafter, verifier): model, KV capacity, torch
+                           threads, and its entry in the Redis registry
+
+A base field reads like the service's own: RSD_<SERVICE>_<FIELD> env and a --field flag
+(rsd_runtime.serving.load_config walks dataclasses.fields, inherited ones included). A service
+changes a default by declaring the field again (the gateway's port 7000); it keeps its place.
+Base fields come first; every field has a default, so the order is always valid.
+
+Checks: checks() maps each constrained field to whether its value is valid; a service adds its own
+({**super().checks(), "num_slots": self.num_slots >= 1}) and __post_init__ raises one ValueError
+naming every invalid field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Network, security, limits and operations of an rsd gRPC service."""
+
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 picks a free port
+    # Graceful stop: seconds running work gets to finish after SIGTERM.
+    drain_s: float = 10.0
+    # Security (rsd_runtime.security). TLS: tls_cert + tls_key (PEM files); with tls_ca as well,
+    # clients must present a certificate that CA signed (mTLS). internal_token: the shared secret of
+    # the internal hops (`authorization: Bearer <token>`), as a value (env RSD_<SERVICE>_INTERNAL_TOKEN)
+    # or a file; "" = none. Drafter and verifier require it of every caller (gRPC health and reflection
+    # need none); gateway and drafter send it on every call to their peers.
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+    internal_token: str = field(default="", repr=False)
+    internal_token_file: str = ""
+    # Limits: largest gRPC message either way, and calls served at once (more: RESOURCE_EXHAUSTED
+    # from gRPC itself; 0 = no limit).
+    max_message_bytes: int = 64 * 1024 * 1024
+    max_concurrent_rpcs: int = 1024
+    # Operations: Prometheus exporter on metrics_port (0 = off; plain HTTP on host); logs as
+    # "text" or "json" (one object per line, with the call's session and request ids).
+    metrics_port: int = 0
+    log_format: str = "text"
+
+    def checks(self) -> dict[str, bool]:
+        """Field name -> whether its value is valid. Subclasses add theirs: {**super().checks(), ...}."""
+        return {
+            "port": 0 <= self.port < 65536,
+            "drain_s": self.drain_s >= 0,
+            "max_message_bytes": self.max_message_bytes >= 1024,
+            "max_concurrent_rpcs": self.max_concurrent_rpcs >= 0,
+            "metrics_port": 0 <= self.metrics_port < 65536,
+            "log_format": self.log_format in ("text", "json"),
+        }
+
+    def __post_init__(self) -> None:
+        bad = [name for name, ok in self.checks().items() if not ok]
+        if bad:
+            raise ValueError(f"invalid {type(self).__name__}: {', '.join(f'{n}={getattr(self, n)!r}' for n in bad)}")
+
+
+@dataclass(frozen=True)
+class PeerTLSConfig:
+    """Dialing other services (rsd_runtime.security.peer_security): TLS when peer_tls_ca is set (the CA
+    of their certificates), a client certificate for mTLS (peer_tls_cert + peer_tls_key)."""
+
+    peer_tls_ca: str = ""
+    peer_tls_cert: str = ""
+    peer_tls_key: str = ""
+
+
+@dataclass(frozen=True)
+class ModelServiceConfig(ServiceConfig):
+    """A service that holds a model (drafter, verifier) and registers in Redis."""
+
+    # advertise_address is what the registry publishes ("" = host:port as bound).
+    advertise_address: str = ""
+    # The model: a local folder (rsd_runtime.models.load_model), its device and dtype.
+    model: str = ""
+    device: str = "cpu"
+    dtype: str = "float32"
+    # KV capacity per session, in tokens: committed prefix + one tree.
+    max_len: int = 2048
+    # Registry: "" = do not register; else a redis:// URL. The entry is refreshed every heartbeat_s
+    # and expires registration_ttl_s after the last refresh (a crashed service disappears).
+    redis_url: str = ""
+    redis_namespace: str = "rsd"
+    heartbeat_s: float = 2.0
+    registration_ttl_s: float = 6.0
+    # torch intra-op threads (0 = torch's default).
+    threads: int = 0
+
+    def checks(self) -> dict[str, bool]:
+        return {
+            **super().checks(),
+            "max_len": self.max_len >= 2,
+            "heartbeat_s": self.heartbeat_s > 0,
+            "registration_ttl_s": self.registration_ttl_s > self.heartbeat_s,
+            "threads": self.threads >= 0,
+        }
