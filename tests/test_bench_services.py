@@ -83,7 +83,7 @@ def test_bench_services_smoke(tmp_path):
         assert set(row) == OVERHEAD_KEYS
         assert row["tokens_match"] is True  # the services reproduce the in-process run exactly
         assert row["gateway_tokens"] == row["inprocess_tokens"] > 0
-        assert row["ratio"] > 0 and 0 < row["est_ratio_from_split"] <= 1
+        assert row["ratio"] > 0 and row["est_ratio_from_split"] > 0  # timings: no bound (a loaded machine)
         assert row["interleaved"] is True  # tiny models: in-process and gateway runs alternate
     # batching on then off: 1 and 2 sessions at T=0, then 2 sessions at T=1
     cases = [(r["batching"], r["sessions"], r["temperature"]) for r in report["capacity"]]
