@@ -57,7 +57,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here reaches a model hub
 
 DEFAULT_SHAPES = {"sd": "4", "specinfer": "2,2,1", "spectr": "3x4", "rsd_c": "2,2,1", "rsd_s": "3x4", "hf_assisted": ""}
-QUICK_CONFIG = "ar;sd:4;specinfer:2,2,1;spectr:2x4;rsd_c:2,2,1;rsd_s:3x4"
+QUICK_CONFIG = "ar;sd:4;specinfer:2,2,1;spectr:3x4;rsd_c:2,2,1;rsd_s:3x4;hf_assisted"  # ~10 min on 2 cores
 DEPTHS = (2, 3, 4, 5)
 BUDGETS = (6, 10, 14, 21, 30)
 # fixed_nodes: per budget (draft tokens), the shapes each method may use: a deep-narrow and a
@@ -345,10 +345,21 @@ def _instrument(gen) -> list[tuple[float, int]]:
 
 
 def run_hf_assisted(
-    target_model, draft_model, prompt_ids, spec: Spec, temperature, max_new, eos, seed, ignore_eos, marks: list
+    target_model,
+    draft_model,
+    prompt_ids,
+    spec: Spec,
+    temperature,
+    max_new,
+    eos,
+    seed,
+    ignore_eos,
+    marks: list,
+    counts: dict | None = None,
 ):
     """One transformers assisted generation; returns (new token ids, wall seconds, settings used,
-    (start, end) times); appends (time, tokens) per step to marks."""
+    (start, end) times); appends (time, tokens) per step to marks and adds the forwards of each model
+    to counts["target"] / counts["draft"] (forward hooks: transformers reports no target calls)."""
     import copy
 
     import torch
@@ -373,6 +384,17 @@ def run_hf_assisted(
     for k, v in settings.items():
         setattr(assistant_cfg, k, v)
     ids = torch.tensor([prompt_ids])
+    counts = {} if counts is None else counts
+    counts.setdefault("target", 0)
+    counts.setdefault("draft", 0)
+
+    def counter(role: str):
+        def hook(*_):
+            counts[role] += 1
+
+        return hook
+
+    hooks = [target_model.register_forward_hook(counter("target")), draft_model.register_forward_hook(counter("draft"))]
     torch.manual_seed(seed)
     t = time.perf_counter()
     try:
@@ -386,6 +408,8 @@ def run_hf_assisted(
             )
     finally:
         draft_model.generation_config = saved
+        for hook in hooks:
+            hook.remove()
     t_end = time.perf_counter()
     return out[0, len(prompt_ids) :].tolist(), t_end - t, settings, (t, t_end)
 
@@ -409,8 +433,8 @@ def _row(spec: Spec, temperature: float, tally: Tally, outputs: list[dict], cost
     method = spec.method()
     is_hf = spec.name == "hf_assisted"
     calls = tally.target_calls
-    be = None if is_hf else tally.new_tokens / max(calls, 1)
-    fwd_per_step = None if is_hf else tally.draft_forwards / max(calls, 1)
+    be = tally.new_tokens / calls if calls else None  # hf_assisted: target forwards counted by a hook
+    fwd_per_step = tally.draft_forwards / calls if calls else None
     c = costs.get("c")
     mbsu = None if be is None else (be / (1 + c * fwd_per_step) if c is not None else (be if method is None else None))
     steady_tokens = tally.new_tokens - sum(o["first_step_tokens"] for o in outputs)
@@ -430,8 +454,8 @@ def _row(spec: Spec, temperature: float, tally: Tally, outputs: list[dict], cost
         "nodes": method.max_draft_tokens if method else (0 if spec.name == "ar" else None),
         "prompts": len(outputs),
         "new_tokens": tally.new_tokens,
-        "target_calls": None if is_hf else calls,
-        "draft_forwards": None if is_hf else tally.draft_forwards,
+        "target_calls": calls or None,
+        "draft_forwards": tally.draft_forwards if calls else None,
         "draft_forwards_per_step": fwd_per_step,
         "block_efficiency": be,
         "mbsu": mbsu,
@@ -719,7 +743,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="\n".join(__doc__.split("\n")[1:]),
     )
-    ap.add_argument("--quick", action="store_true", help=f"preset: {QUICK_CONFIG}; 3 prompts, 32 tokens, T 0,1")
+    ap.add_argument("--quick", action="store_true", help=f"preset: {QUICK_CONFIG}; 2 prompts, 24 tokens, T 0,1")
     ap.add_argument("--config", help=f"';'-separated methods, e.g. {QUICK_CONFIG!r}")
     ap.add_argument("--method", action="append", default=[], help="one method 'name[:shape]'; repeatable")
     ap.add_argument("--temperatures", default=None, help="comma-separated, e.g. 0,1 (default 0,1)")
@@ -776,8 +800,8 @@ def main(argv: list[str] | None = None) -> int:
         temperatures = parse_temperatures(args.temperatures or "0,1")
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    num_prompts = args.num_prompts or (3 if args.quick else 10)
-    max_new = args.max_new_tokens or (32 if args.quick else 64)
+    num_prompts = args.num_prompts or (2 if args.quick else 10)
+    max_new = args.max_new_tokens or (24 if args.quick else 64)
     if len({s.label for s in specs}) != len(specs):
         raise SystemExit("error: a method is listed twice")
 
@@ -914,6 +938,7 @@ def main(argv: list[str] | None = None) -> int:
                 tally, key = tallies[(spec.label, temperature)], (spec.label, temperature)
                 step_marks.clear()
                 if spec.name == "hf_assisted":
+                    counts: dict[str, int] = {}
                     new, wall, hf_settings[spec.label], (t0, t_end) = run_hf_assisted(
                         target_model,
                         draft_model,
@@ -925,10 +950,13 @@ def main(argv: list[str] | None = None) -> int:
                         seed,
                         args.ignore_eos,
                         step_marks,
+                        counts,
                     )
                     tally.new_tokens += len(new)
                     tally.total_s += wall
-                    calls = None
+                    calls = counts["target"]
+                    tally.target_calls += calls
+                    tally.draft_forwards += counts["draft"]
                 else:
                     if spec.shape == "plain":
                         set_small_batch_rows(target_model, 0)

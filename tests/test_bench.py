@@ -74,10 +74,12 @@ def test_bench_tiny_schema_and_greedy_equality(tmp_path, capsys):
     assert set(result["forward_costs"]["target_ms_by_tokens"]) == {"1", "11", "7"}  # root + nodes
     rows = {(r["label"], r["temperature"]): r for r in result["rows"]}
     assert len(rows) == 8
-    for temp in (0.0, 1.0):  # the outside peer: no target-call count, so no block efficiency
+    for temp in (0.0, 1.0):  # the outside peer: target and draft forwards counted by hooks
         hf = rows.pop(("hf_assisted:2", temp))
-        assert hf["block_efficiency"] is None and hf["mbsu"] is None and hf["tokens_per_s"] > 0
-        assert hf["new_tokens"] == 16 and hf["steady_tokens_per_s"] > 0
+        assert hf["new_tokens"] == 16 and hf["tokens_per_s"] > 0 and hf["steady_tokens_per_s"] > 0
+        assert hf["block_efficiency"] == pytest.approx(16 / hf["target_calls"])
+        assert 1 <= hf["block_efficiency"] <= 3 and hf["draft_forwards"] > 0
+        assert hf["mbsu"] is not None and hf["draft_s"] is None
     for (label, temp), row in rows.items():
         assert row.keys() >= ROW_KEYS
         assert row["new_tokens"] == 16 and len(row["outputs"]) == 2
