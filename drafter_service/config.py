@@ -28,6 +28,9 @@ class DrafterConfig(PeerTLSConfig, ModelServiceConfig):
     # probs), and the draft's mass beyond its top 256 is small. For V <= 256 it changes nothing.
     proposal_top_k: int = 256
     proposal_top_p: float = 1.0
+    # Draft vocabulary: the draft model scores only its first draft_vocab ids (0 = all; see
+    # rsd_runtime.models.PrunedLMHead): a cheaper output layer, still exact.
+    draft_vocab: int = 0
     # Largest tree (nodes, root included) a run may draft; the verifier's own limit (from Attach)
     # applies too.
     max_tree_nodes: int = 64
@@ -44,6 +47,7 @@ class DrafterConfig(PeerTLSConfig, ModelServiceConfig):
             "max_sessions": self.max_sessions >= 1,
             "proposal_top_k": self.proposal_top_k >= 0,
             "proposal_top_p": 0 < self.proposal_top_p <= 1,
+            "draft_vocab": self.draft_vocab >= 0,
             "max_tree_nodes": 2 <= self.max_tree_nodes < self.max_len,
             "attach_timeout_s": self.attach_timeout_s > 0,
             "verify_timeout_s": self.verify_timeout_s > 0,

@@ -22,7 +22,7 @@ from drafter_service.engine import DrafterEngine
 from drafter_service.servicer import DrafterServicer
 from gateway.store import RedisSessionStore, ServiceInfo
 from rsd_runtime.metrics import DrafterMetrics
-from rsd_runtime.models import load_model
+from rsd_runtime.models import load_model, prune_draft_vocab
 from rsd_runtime.serving import (
     Heartbeat,
     default_service_id,
@@ -77,6 +77,7 @@ async def create_server(
         if not config.model:
             raise ValueError("--model is required: a local folder holding the draft model")
         model = await asyncio.to_thread(load_model, config.model, config.device, config.dtype)
+        prune_draft_vocab(model, config.draft_vocab)
     engine = DrafterEngine(model, config)
     servicer = DrafterServicer(engine)
     metrics = DrafterMetrics(engine)

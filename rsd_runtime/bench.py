@@ -776,6 +776,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ROWS",
         help="linear layers as weight @ x.T up to ROWS rows, in both models (adds ar:plain as a baseline)",
     )
+    ap.add_argument(
+        "--draft-vocab", type=int, default=0, metavar="K", help="the drafter scores only the first K ids (0 = all)"
+    )
     ap.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     ap.add_argument("--name", default="bench", help="result file stem")
     ap.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parents[1] / "benchmarks" / "results")
@@ -810,7 +813,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from rsd.sampling import SamplingParams
     from rsd_runtime.generator import SpeculativeGenerator
-    from rsd_runtime.models import load_model, load_tokenizer, set_small_batch_rows, use_small_batch_linear
+    from rsd_runtime.models import (
+        load_model,
+        load_tokenizer,
+        prune_draft_vocab,
+        set_small_batch_rows,
+        use_small_batch_linear,
+    )
     from rsd_runtime.runner import ModelRunner
 
     hf_logging.disable_progress_bar()
@@ -845,6 +854,8 @@ def main(argv: list[str] | None = None) -> int:
     target_model = load_model(target_dir, args.device, args.dtype)
     needs_draft = any(s.name != "ar" for s in specs)
     draft_model = load_model(draft_dir, args.device, args.dtype) if needs_draft else None
+    if draft_model is not None:
+        prune_draft_vocab(draft_model, args.draft_vocab)
     if args.small_batch_linear:
         for model in (target_model, draft_model):
             if model is not None:
@@ -914,6 +925,7 @@ def main(argv: list[str] | None = None) -> int:
                 "protocol": args.protocol or ("custom" if args.config or args.method or args.quick else "all"),
                 "budget_candidates": BUDGET_CANDIDATES,
                 "small_batch_linear_rows": args.small_batch_linear,
+                "draft_vocab": args.draft_vocab or None,
                 "max_new_tokens": max_new,
                 "seed": args.seed,
                 "eos_token_ids": list(eos),

@@ -51,6 +51,13 @@ def _add_generate(sub) -> None:
         metavar="ROWS",
         help="compute linear layers as weight @ x.T up to ROWS rows (fast trees on CPU; 0 = off)",
     )
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=0,
+        metavar="K",
+        help="the drafter scores only the first K vocabulary ids (a cheaper output layer; still exact; 0 = all)",
+    )
     p.add_argument("--server", metavar="HOST:PORT", help="generate through the gateway at HOST:PORT")
     p.add_argument("--session-id", default="", help="with --server: continue this session with the prompt as its turn")
     p.add_argument("--stop", action="append", default=[], help="with --server: a stop sequence (repeatable)")
@@ -135,7 +142,7 @@ def generate(args) -> int:
     from rsd.methods import Method
     from rsd.sampling import SamplingParams
     from rsd_runtime.generator import SpeculativeGenerator
-    from rsd_runtime.models import load_model, load_tokenizer, use_small_batch_linear
+    from rsd_runtime.models import load_model, load_tokenizer, prune_draft_vocab, use_small_batch_linear
     from rsd_runtime.runner import ModelRunner
 
     hf_logging.disable_progress_bar()
@@ -150,8 +157,9 @@ def generate(args) -> int:
     print(f"loading target {target_dir} ({args.target_device}, {args.target_dtype})", file=sys.stderr)
     tokenizer = load_tokenizer(target_dir)
 
-    def load(path, device, dtype):
+    def load(path, device, dtype, draft_vocab=0):
         model = load_model(path, device, dtype)
+        prune_draft_vocab(model, draft_vocab)
         if args.small_batch_linear:
             use_small_batch_linear(model, args.small_batch_linear)
         return ModelRunner(model, args.max_len)
@@ -160,7 +168,7 @@ def generate(args) -> int:
     draft = None
     if method is not None:
         print(f"loading draft {draft_dir} ({args.draft_device}, {args.draft_dtype})", file=sys.stderr)
-        draft = load(draft_dir, args.draft_device, args.draft_dtype)
+        draft = load(draft_dir, args.draft_device, args.draft_dtype, args.draft_vocab)
     gen = SpeculativeGenerator(target, draft, args.draft_top_k, args.draft_top_p)
     prompt_ids = tokenizer.encode(args.prompt)
     eos = tuple(i for i in [tokenizer.eos_token_id] if i is not None)

@@ -76,6 +76,46 @@ def set_small_batch_rows(model: torch.nn.Module, max_rows: int) -> None:
             m.small_batch_rows = max_rows
 
 
+class PrunedLMHead(torch.nn.Module):
+    """A language-model head that scores only the first `keep` vocabulary ids; the others get -inf.
+
+    For a drafter: its output layer is a large share of a small model's bytes (Qwen2.5-0.5B: 136M of
+    494M parameters for 151,936 ids), and BPE ids are numbered by merge rank, so the first ids are
+    the frequent ones. The drafter then proposes only among them (its law is 0 elsewhere), and the
+    verifier judges the proposals with exactly that law: speculative sampling stays exact for any
+    draft law, only acceptance can drop (the idea of FR-Spec, Zhao et al., 2025).
+    """
+
+    def __init__(self, lm_head: torch.nn.Linear, keep: int):
+        super().__init__()
+        vocab, hidden = lm_head.weight.shape
+        if not 0 < keep <= vocab:
+            raise ValueError(f"draft vocabulary {keep} must be in [1, {vocab}]")
+        self.vocab_size = vocab
+        self.kept = torch.nn.Linear(hidden, keep, bias=lm_head.bias is not None)  # a plain Linear: small-batch applies
+        self.kept.to(lm_head.weight.device, lm_head.weight.dtype)
+        with torch.no_grad():
+            self.kept.weight.copy_(lm_head.weight[:keep])
+            if lm_head.bias is not None:
+                self.kept.bias.copy_(lm_head.bias[:keep])
+
+    def forward(self, hidden: Tensor) -> Tensor:  # [..., H] -> [..., V]
+        kept = self.kept(hidden)  # [..., keep]
+        out = kept.new_full((*kept.shape[:-1], self.vocab_size), float("-inf"))
+        out[..., : kept.shape[-1]] = kept
+        return out
+
+
+def prune_draft_vocab(model: torch.nn.Module, keep: int) -> None:
+    """Give a (draft) causal LM a PrunedLMHead over its first `keep` ids (0 or the full size: no-op).
+    Unties a head shared with the input embeddings: the embeddings keep every id."""
+    head = model.get_output_embeddings()
+    if not keep or keep >= head.weight.shape[0]:
+        return
+    model.set_output_embeddings(PrunedLMHead(head, keep))
+    model.config.tie_word_embeddings = False
+
+
 def load_tokenizer(path: str | Path, gguf_file: str | None = None) -> PreTrainedTokenizerBase:
     """The tokenizer of a model folder, checked against the folder's own tokenizer.json.
 

@@ -161,3 +161,24 @@ def test_small_batch_linear_keeps_greedy_output(pair):
         for model in (target, draft):
             for m in model.modules():
                 m.__dict__.pop("forward", None)  # restore nn.Linear.forward for the other tests
+
+
+def test_pruned_draft_vocabulary_stays_exact(tmp_path):
+    """A drafter that scores only the first K ids proposes only them (law 0 elsewhere), and
+    verification with that law keeps greedy output the target's own and T > 0 on the target's law."""
+    from rsd_runtime.models import prune_draft_vocab
+
+    draft_dir, target_dir = build_tiny_pair(tmp_path, "qwen2")
+    draft, target = load_model(draft_dir), load_model(target_dir)
+    prune_draft_vocab(draft, 100)  # of 256
+    assert draft.get_input_embeddings().weight.shape[0] == 256  # the embeddings keep every id
+    runner = ModelRunner(draft, 256)
+    logits = runner.forward(torch.tensor(PROMPTS[2]), torch.tensor(list(range(-1, len(PROMPTS[2]) - 1))))
+    assert logits.shape[-1] == 256 and torch.isinf(logits[:, 100:]).all() and torch.isfinite(logits[:, :100]).all()
+    gen = SpeculativeGenerator(ModelRunner(target, 256), ModelRunner(draft, 256))
+    for prompt in PROMPTS:
+        out = gen.generate(prompt, Method.parse("rsd_c", "3,2,1"), SamplingParams(0), max_new_tokens=10)
+        assert out.token_ids == target_greedy(target, prompt, 10)
+    gen.drafter.runner.reset()
+    tree = gen.drafter.draft(PROMPTS[0], Method.parse("rsd_s", "3x3"), SamplingParams(1.0), torch.Generator())
+    assert (tree.draft_probs[:, 100:] == 0).all() and (tree.token_ids[1:] < 100).all()
