@@ -13,6 +13,14 @@ from, and it is stored in the tree for the verifier: a drafter that truncates it
     RSD-C         Gumbel-Top-K_l (without replacement)         branching (K_1..K_L)
     RSD-S         Stochastic Beam Search, width W, depth L     <= W nodes per level, early truncation
     greedy        the K_l most likely tokens                   branching (K_1..K_L), for temperature 0
+
+Confidence stop (stop_below = tau > 0, a production knob in the spirit of transformers' assistant
+confidence threshold): the shape becomes an upper bound. A node is expanded only if the draft
+drew it with probability >= tau (its own entry in its parent's law); RSD-S stops after the first
+level none of whose beams reaches tau (dropping single beams would change which prefixes compete
+for the W slots). Either way the decision about a node's children is made before they are drawn,
+from draft-side values only, and the tree is the untruncated strategy's tree cut by a fixed
+function of its upper levels: tests/test_exact.py enumerates exactly that and the rules stay exact.
 """
 
 from __future__ import annotations
@@ -75,6 +83,7 @@ def draft_tree(
     mode: str,
     generator: torch.Generator | None = None,
     device: torch.device | str = "cpu",
+    stop_below: float = 0.0,
 ) -> DraftTree:
     """A tree with branching[l] children per node at depth l, picked by `mode`:
 
@@ -82,14 +91,18 @@ def draft_tree(
     "iid"                  i.i.d. samples with replacement, SpecInfer (SpecTr: branching (K, 1, ..., 1))
     "greedy"               the most likely tokens, in descending probability
     A node whose law has fewer than K tokens in its support gets only that many children in the
-    without-replacement and greedy modes.
+    without-replacement and greedy modes. stop_below: a node drawn with probability below it gets
+    no children (the root always does).
     """
     _check_branching(branching)
     if mode not in ("without_replacement", "iid", "greedy"):
         raise ValueError(f"unknown drafting mode {mode!r}")
     tree = _TreeBuilder(root_token, device)
-    frontier, probs = [0], None
+    frontier, own, probs = [0], [1.0], None  # own: each frontier node's probability in its parent's law
     for k in branching:
+        frontier = [n for n, p in zip(frontier, own, strict=True) if p >= stop_below]
+        if not frontier:
+            break
         probs = tree.propose(proposal, frontier)  # [F, V]
         if mode == "iid":
             ids = sample(probs.unsqueeze(1).expand(-1, k, -1), generator)  # [F, k]
@@ -99,12 +112,18 @@ def draft_tree(
         else:
             top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)
             ids, valid = top.indices, top.values > 0
-        frontier = [
-            tree.add(parent, int(tok))
-            for parent, row_ids, row_valid in zip(frontier, ids.tolist(), valid.tolist(), strict=True)
+        kept = [
+            (parent, f, int(tok))
+            for f, (parent, row_ids, row_valid) in enumerate(zip(frontier, ids.tolist(), valid.tolist(), strict=True))
             for tok, ok in zip(row_ids, row_valid, strict=True)
             if ok
         ]
+        frontier = [tree.add(parent, tok) for parent, _, tok in kept]
+        own = (
+            probs[[f for _, f, _ in kept], [tok for _, _, tok in kept]].tolist()
+            if stop_below > 0
+            else [1.0] * len(kept)
+        )
     return tree.build(probs.shape[-1], probs.dtype)
 
 
@@ -115,9 +134,10 @@ def draft_spectr(
     depth: int,
     generator: torch.Generator | None = None,
     device: torch.device | str = "cpu",
+    stop_below: float = 0.0,
 ) -> DraftTree:
     """SpecTr: num_chains independent draft sequences of length depth, as a tree of chains."""
-    return draft_tree(proposal, root_token, [num_chains] + [1] * (depth - 1), "iid", generator, device)
+    return draft_tree(proposal, root_token, [num_chains] + [1] * (depth - 1), "iid", generator, device, stop_below)
 
 
 def _condition_gumbel(g_tilde: Tensor, parent_g: Tensor) -> Tensor:
@@ -137,6 +157,7 @@ def draft_sbs(
     generator: torch.Generator | None = None,
     device: torch.device | str = "cpu",
     greedy: bool = False,
+    stop_below: float = 0.0,
 ) -> DraftTree:
     """RSD-S: Stochastic Beam Search (Kool et al., 2019) as a draft tree.
 
@@ -148,6 +169,7 @@ def draft_sbs(
     are a Plackett-Luce (without-replacement) sample from its law, and whether a j-th child exists
     does not depend on its identity, which keeps recursive rejection sampling exact.
     greedy=True drops the noise: plain beam search on draft log-probabilities, for temperature 0.
+    stop_below: stop after the first level where every beam was drawn with probability below it.
     """
     if beam_width < 1 or depth < 1:
         raise ValueError(f"beam_width and depth must be >= 1, got {beam_width} and {depth}")
@@ -155,8 +177,11 @@ def draft_sbs(
     beams = [0]
     phi = torch.zeros(1, dtype=torch.float64, device=device)  # [F] log p of each beam's prefix
     g = torch.zeros(1, dtype=torch.float64, device=device)  # [F] perturbed value of each beam
+    own = torch.ones(1, device=device)  # [F] each beam's probability in its parent's law
     probs = None
     for _ in range(depth):
+        if stop_below > 0 and float(own.max()) < stop_below:
+            break
         probs = tree.propose(proposal, beams)  # [F, V]
         phi_child = phi.unsqueeze(-1) + torch.log(probs.to(torch.float64))  # [F, V]
         noise = 0.0 if greedy else gumbel(phi_child.shape, generator, device)
@@ -169,5 +194,6 @@ def draft_sbs(
         keep = keep[order]
         parents, tokens = keep // vocab, keep % vocab
         beams = [tree.add(beams[int(f)], int(t)) for f, t in zip(parents, tokens, strict=True)]
+        own = probs[parents, tokens]
         phi, g = phi_child.flatten()[keep], g_child.flatten()[keep]
     return tree.build(probs.shape[-1], probs.dtype)

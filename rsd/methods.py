@@ -9,6 +9,9 @@
 
 At temperature 0 every method drafts its shape greedily (top-K children; beam search for rsd_s;
 top-K first drafts then greedy chains for spectr) and verifies by greedy matching.
+
+Any shape may end in "@tau" (e.g. "rsd_s:3x8@0.3", "sd:10@0.4"): the confidence stop of
+rsd.drafting, which makes the shape an upper bound and drafts deep only where the draft is sure.
 """
 
 from __future__ import annotations
@@ -30,12 +33,25 @@ class Method:
     name: str
     branching: tuple[int, ...] = ()  # sd, specinfer, spectr (K, 1, ..., 1), rsd_c
     beam_width: int = 0  # rsd_s
+    stop_below: float = 0.0  # confidence stop (rsd.drafting); 0 = off
 
     @staticmethod
     def parse(name: str, shape: str) -> Method:
-        """Method.parse("rsd_c", "2,2,1"), ("sd", "4"), ("spectr", "3x4"), ("rsd_s", "4x5")."""
+        """Method.parse("rsd_c", "2,2,1"), ("sd", "4"), ("spectr", "3x4"), ("rsd_s", "4x5"), ("sd", "8@0.4")."""
         if name not in METHOD_NAMES:
             raise ValueError(f"unknown method {name!r}; expected one of {', '.join(METHOD_NAMES)}")
+        shape, at, tau = shape.partition("@")
+        try:
+            stop_below = float(tau) if at else 0.0
+        except ValueError:
+            stop_below = float("nan")
+        if not 0 <= stop_below < 1:
+            raise ValueError(f"confidence stop '@{tau}' must be a probability in [0, 1)")
+        method = Method._parse_shape(name, shape)
+        return method if not stop_below else Method(method.name, method.branching, method.beam_width, stop_below)
+
+    @staticmethod
+    def _parse_shape(name: str, shape: str) -> Method:
         try:
             if name in ("spectr", "rsd_s"):
                 width, depth = (int(v) for v in shape.lower().split("x"))
@@ -77,9 +93,10 @@ class Method:
     def draft(
         self, proposal: Proposal, root_token: int, generator: torch.Generator | None, greedy: bool, device="cpu"
     ) -> DraftTree:
+        stop = self.stop_below
         if self.name == "rsd_s":
-            return draft_sbs(proposal, root_token, self.beam_width, self.depth, generator, device, greedy=greedy)
+            return draft_sbs(proposal, root_token, self.beam_width, self.depth, generator, device, greedy, stop)
         if greedy:
-            return draft_tree(proposal, root_token, self.branching, "greedy", generator, device)
+            return draft_tree(proposal, root_token, self.branching, "greedy", generator, device, stop)
         mode = "iid" if self.name in ("specinfer", "spectr") else "without_replacement"
-        return draft_tree(proposal, root_token, self.branching, mode, generator, device)
+        return draft_tree(proposal, root_token, self.branching, mode, generator, device, stop)

@@ -11,14 +11,18 @@ Methods are `name[:shape]`, separated by ';' in --config (shapes contain commas)
 and hf_assisted[:k] (transformers' assisted generation with the same two models; k = draft tokens
 per step with a constant schedule, no k = transformers' defaults). Every method runs on the same
 models, prompts, per-prompt seeds, temperatures and max new tokens; runs are interleaved (for each
-temperature, for each prompt, every method) so a background load hits all methods alike.
+prompt, for each temperature, every method) so a background load hits all methods alike and a run
+stopped early still covers every temperature.
 
 Protocols (--protocol): fixed_depth runs matched shapes at each depth L in --depths (sd:L,
 specinfer and rsd_c with branching 2,2,1,...,1, spectr and rsd_s 3xL); fixed_nodes runs, for each
 budget in --budgets (draft tokens per tree), the candidate shapes of BUDGET_CANDIDATES and marks the
 one with the highest block efficiency per (method, budget, temperature) as "best"; all runs both
 (a shape in both protocols runs once and is reported under each). With --small-batch-linear the
-target alone also runs with plain F.linear (ar:plain); speedup_vs_ar divides by the fastest ar row.
+target alone also runs with plain F.linear (ar:plain); --ar-dtype D adds the target alone loaded a
+second time in dtype D (ar:D), so the baseline is the fastest target configuration found in the same
+run; speedup_vs_ar divides by the fastest ar row. --draft-dtype/--target-dtype give each model its
+own dtype (as the drafter and verifier services do).
 
 Prompts: by default functions of the Python standard library of the running interpreter (a fixed
 module list; module-level functions with a docstring and a body after it), cut after the signature
@@ -70,6 +74,7 @@ BUDGET_CANDIDATES = {
     21: {"sd": ["8"], "tree": ["3,2,1,1", "2,2,1,1,1"], "kxl": ["3x7", "4x5"]},
     30: {"sd": ["8"], "tree": ["2,2,2,1,1", "3,3,1"], "kxl": ["5x6", "6x5"]},
 }
+AR_DTYPES = ("float32", "bfloat16", "float16")
 METHOD_ORDER = ("ar", "sd", "specinfer", "spectr", "rsd_c", "rsd_s", "hf_assisted")
 MBSU_FORMULA = (
     "mbsu = block_efficiency / (1 + c * draft_forwards_per_step), c = draft / target single-token forward "
@@ -178,12 +183,15 @@ class Spec:
 
 
 def parse_spec(text: str) -> Spec:
-    """ "rsd_s:3x4" / "sd" (default shape) / "ar" / "ar:plain" / "hf_assisted:4" -> Spec, validated."""
+    """ "rsd_s:3x4" / "sd" (default shape) / "ar" / "ar:plain" / "ar:float32" / "hf_assisted:4" -> Spec."""
     name, _, shape = text.strip().partition(":")
     name, shape = name.strip(), shape.strip()
     if name == "ar":
-        if shape not in ("", "plain"):
-            raise ValueError("ar takes no shape (ar:plain: the target alone with plain F.linear)")
+        if shape not in ("", "plain", *AR_DTYPES):
+            raise ValueError(
+                "ar takes no shape, 'plain' (the target alone with plain F.linear) or a dtype "
+                f"({', '.join(AR_DTYPES)}: the target alone loaded in that dtype)"
+            )
         return Spec("ar", shape)
     if name == "hf_assisted":
         if shape and not (shape.isdigit() and int(shape) > 0):
@@ -487,8 +495,10 @@ def _row(spec: Spec, temperature: float, tally: Tally, outputs: list[dict], cost
 
 
 def _finish_rows(rows: list[dict]) -> None:
-    """Speed-ups against the fastest ar row at the same temperature, and T=0 equality with ar."""
+    """Speed-ups against the fastest ar row at the same temperature, and T=0 equality with the ar row
+    of the same target (label "ar": ar:DTYPE loads another target, whose greedy text may differ)."""
     fastest: dict[float, dict] = {}
+    same_target = {r["temperature"]: r for r in rows if r["label"] == "ar"}
     for r in rows:
         if r["method"] == "ar" and r["tokens_per_s"]:
             best = fastest.get(r["temperature"])
@@ -502,8 +512,8 @@ def _finish_rows(rows: list[dict]) -> None:
         for rate, ratio in (("tokens_per_s", "speedup_vs_ar"), ("steady_tokens_per_s", "steady_speedup_vs_ar")):
             if r[rate] and base[rate]:
                 r[ratio] = r[rate] / base[rate]
-        if r["temperature"] == 0:
-            ref = {o["prompt"]: o["token_sha"] for o in base["outputs"]}
+        if r["temperature"] == 0 and r["temperature"] in same_target and r["shape"] not in AR_DTYPES:
+            ref = {o["prompt"]: o["token_sha"] for o in same_target[r["temperature"]]["outputs"]}
             r["matches_ar"] = all(ref.get(o["prompt"]) == o["token_sha"] for o in r["outputs"])
 
 
@@ -702,7 +712,8 @@ def _model_info(path: Path, model, dtype: str, device: str) -> dict:
         "name": path.name,
         "model_type": model.config.model_type,
         "params": sum(p.numel() for p in model.parameters()),
-        "dtype": dtype,
+        "dtype": str(model.dtype).removeprefix("torch."),  # "auto" resolved
+        "dtype_asked": dtype,
         "device": device,
     }
     marker = path / "rsd_provision.json"
@@ -757,7 +768,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--target", type=Path, help="target model folder, same tokenizer as the draft")
     ap.add_argument("--cache-dir", type=Path, default=None, help="model cache for the provisioned pair")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    dtypes = [*AR_DTYPES, "auto"]
+    ap.add_argument("--dtype", default="float32", choices=dtypes, help="both models' dtype (auto: rsd_runtime.models)")
+    ap.add_argument("--draft-dtype", choices=dtypes, help="the drafter's dtype (default: --dtype)")
+    ap.add_argument("--target-dtype", choices=dtypes, help="the target's dtype (default: --dtype)")
+    ap.add_argument(
+        "--ar-dtype",
+        action="append",
+        default=[],
+        choices=AR_DTYPES,
+        help="also run the target alone loaded in this dtype (ar:DTYPE); repeatable",
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--cost-reps", type=int, default=5, help="repetitions of each timed forward for c")
     ap.add_argument("--tree-costs", action="store_true", help="also time one target forward per method's tree size")
@@ -800,6 +821,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.small_batch_linear and any(s.name == "ar" for s in specs) and Spec("ar", "plain") not in specs:
             specs.insert(1 + [s.name for s in specs].index("ar"), Spec("ar", "plain"))  # the other ar baseline
             where["ar:plain"] = where["ar"]
+        target_dtype, draft_dtype = args.target_dtype or args.dtype, args.draft_dtype or args.dtype
+        for dtype in args.ar_dtype:
+            from rsd_runtime.models import parse_dtype
+
+            if parse_dtype(dtype) is parse_dtype(target_dtype, args.device):
+                raise ValueError(f"--ar-dtype {dtype} is the target's own dtype: the ar row runs it already")
+            if any(s.name == "ar" for s in specs) and Spec("ar", dtype) not in specs:
+                specs.insert(1 + [s.name for s in specs].index("ar"), Spec("ar", dtype))
+                where[f"ar:{dtype}"] = where["ar"]
         temperatures = parse_temperatures(args.temperatures or "0,1")
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
@@ -849,15 +879,17 @@ def main(argv: list[str] | None = None) -> int:
         paths = provision_pair(args.cache_dir)
         draft_dir, target_dir = paths["draft"], paths["target"]
 
-    log(f"loading target {target_dir} and draft {draft_dir} ({args.dtype}, {args.device})")
+    log(f"loading target {target_dir} ({target_dtype}) and draft {draft_dir} ({draft_dtype}) on {args.device}")
     tokenizer = load_tokenizer(target_dir)
-    target_model = load_model(target_dir, args.device, args.dtype)
+    target_model = load_model(target_dir, args.device, target_dtype)
     needs_draft = any(s.name != "ar" for s in specs)
-    draft_model = load_model(draft_dir, args.device, args.dtype) if needs_draft else None
+    draft_model = load_model(draft_dir, args.device, draft_dtype) if needs_draft else None
     if draft_model is not None:
         prune_draft_vocab(draft_model, args.draft_vocab)
+    # the target again in other dtypes, for the ar:DTYPE baselines
+    other_targets = {s.shape: load_model(target_dir, args.device, s.shape) for s in specs if s.shape in AR_DTYPES}
     if args.small_batch_linear:
-        for model in (target_model, draft_model):
+        for model in (target_model, draft_model, *other_targets.values()):
             if model is not None:
                 use_small_batch_linear(model, args.small_batch_linear)
     encoded = [tokenizer.encode(p["prompt"]) for p in prompts]
@@ -874,6 +906,7 @@ def main(argv: list[str] | None = None) -> int:
     target = ModelRunner(target_model, max_len)
     draft = ModelRunner(draft_model, max_len) if draft_model is not None else None
     gen = SpeculativeGenerator(target, draft)
+    other_gens = {d: SpeculativeGenerator(ModelRunner(m, max_len), None) for d, m in other_targets.items()}
 
     tree_sizes = [m.max_draft_tokens + 1 for m in methods.values() if m is not None] if args.tree_costs else []
     log("timing single-token forwards" + (" and trees" if tree_sizes else ""))
@@ -905,8 +938,8 @@ def main(argv: list[str] | None = None) -> int:
         result = {
             "name": args.name,
             "models": {
-                "target": _model_info(Path(target_dir), target_model, args.dtype, args.device),
-                "draft": _model_info(Path(draft_dir), draft_model, args.dtype, args.device) if draft_model else None,
+                "target": _model_info(Path(target_dir), target_model, target_dtype, args.device),
+                "draft": _model_info(Path(draft_dir), draft_model, draft_dtype, args.device) if draft_model else None,
             },
             "machine": machine,
             "prompts": {
@@ -929,7 +962,7 @@ def main(argv: list[str] | None = None) -> int:
                 "max_new_tokens": max_new,
                 "seed": args.seed,
                 "eos_token_ids": list(eos),
-                "order": "for each temperature, for each prompt, every method in turn",
+                "order": "for each prompt, for each temperature, every method in turn",
             },
             "mbsu_formula": MBSU_FORMULA,
             "forward_costs": costs,
@@ -942,10 +975,10 @@ def main(argv: list[str] | None = None) -> int:
         md_path.write_text(markdown(result))
         return result
 
-    for temperature in temperatures:
-        params = SamplingParams(temperature=temperature)
-        for i, ids in enumerate(encoded):
-            seed = args.seed + i
+    for i, ids in enumerate(encoded):
+        seed = args.seed + i
+        for temperature in temperatures:
+            params = SamplingParams(temperature=temperature)
             for spec in specs:
                 tally, key = tallies[(spec.label, temperature)], (spec.label, temperature)
                 step_marks.clear()
@@ -974,7 +1007,9 @@ def main(argv: list[str] | None = None) -> int:
                         set_small_batch_rows(target_model, 0)
                     t0 = time.perf_counter()
                     try:
-                        res = gen.generate(ids, methods[spec.label], params, max_new, eos, seed)
+                        res = other_gens.get(spec.shape, gen).generate(
+                            ids, methods[spec.label], params, max_new, eos, seed
+                        )
                     finally:
                         t_end = time.perf_counter()
                         if spec.shape == "plain":
@@ -1008,7 +1043,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 be = f", block eff. {len(new) / calls:.2f}" if calls else ""
                 log(f"T={temperature} prompt {i} {spec.label}: {len(new)} tokens in {wall:.1f} s{be}")
-            write(complete=False)  # a snapshot after every prompt: a stopped run keeps its results
+            write(complete=False)  # a snapshot after every (prompt, T): a stopped run keeps its results
     result = write(complete=True)
     log(f"wrote {json_path} and {md_path} in {result['wall_s']:.0f} s")
     if not args.no_plots:

@@ -262,6 +262,8 @@ def method_shape(method: Method) -> str:
         shape = f"{method.beam_width}x{method.depth}"
     else:
         shape = ",".join(str(k) for k in method.branching)
+    if method.stop_below:
+        shape += f"@{method.stop_below!r}"
     if Method.parse(method.name, shape) != method:
         raise ValueError(f"{method} is not a shape Method.parse can produce (closest: {shape!r})")
     return shape

@@ -181,3 +181,22 @@ def test_bench_protocol_run_marks_best_and_plots(tmp_path):
     assert "### Block efficiency at a fixed target budget" in md and "**best**" in md
     for png in ("proto-block-efficiency.png", "proto-tokens-per-s.png"):
         assert (tmp_path / "out" / png).read_bytes().startswith(b"\x89PNG")
+
+
+def test_bench_gives_each_model_its_dtype_and_runs_ar_in_another(tmp_path):
+    draft_dir, target_dir = build_tiny_pair(tmp_path / "models", "llama")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "w1 w2 w3 w4"}\n')
+    argv = ["--draft", str(draft_dir), "--target", str(target_dir), "--prompts", str(prompts), "--no-plots"]
+    argv += ["--config", "ar;rsd_s:2x2", "--temperatures", "0,1", "--max-new-tokens", "6", "--ignore-eos"]
+    argv += ["--cost-reps", "1", "--draft-dtype", "bfloat16", "--ar-dtype", "bfloat16", "--out-dir", str(tmp_path)]
+    assert bench.main([*argv, "--name", "dtypes"]) == 0
+    result = json.loads((tmp_path / "dtypes.json").read_text())
+    assert result["models"]["target"]["dtype"] == "float32" and result["models"]["draft"]["dtype"] == "bfloat16"
+    assert result["settings"]["order"].startswith("for each prompt, for each temperature")
+    rows = {(r["label"], r["temperature"]): r for r in result["rows"]}
+    assert set(rows) == {(label, t) for label in ("ar", "ar:bfloat16", "rsd_s:2x2") for t in (0.0, 1.0)}
+    assert rows[("rsd_s:2x2", 0.0)]["matches_ar"] is True  # against the fp32 target it verifies with
+    assert rows[("ar:bfloat16", 0.0)]["matches_ar"] is None  # another target: not compared
+    with pytest.raises(SystemExit, match="target's own dtype"):
+        bench.main([*argv[:-2], "--ar-dtype", "float32", "--out-dir", str(tmp_path)])

@@ -40,6 +40,18 @@ METHODS = {
     "spectr_k3_l2": (lambda p: toy.branching_tree_law(p, V, [3, 1], "iid"), "kseq", 2),
     "spectr_k2_l2": (lambda p: toy.branching_tree_law(p, V, [2, 1], "iid"), "kseq", 2),
 }
+# The confidence stop (rsd.drafting): the same strategies' trees, cut where the draft was unsure.
+STOP = 0.3
+STOP_CASES = {  # name -> (untruncated tree law, cut per "node" or "level", rule, depth)
+    "sd_chain3_stop": (lambda p: toy.branching_tree_law(p, V, [1, 1, 1], "without_replacement"), "node", "rrs", 3),
+    "rsd_c_2x2_stop": (lambda p: toy.branching_tree_law(p, V, [2, 2], "without_replacement"), "node", "rrs", 2),
+    "rsd_c_2x1x1_stop": (lambda p: toy.branching_tree_law(p, V, [2, 1, 1], "without_replacement"), "node", "rrs", 3),
+    "rsd_s_w2_l2_stop": (lambda p: toy.sbs_tree_law(p, V, 2, 2), "level", "rrs", 2),
+    "specinfer_2x2_stop": (lambda p: toy.branching_tree_law(p, V, [2, 2], "iid"), "node", "rrs_with_replacement", 2),
+    "spectr_k2_l3_stop": (lambda p: toy.branching_tree_law(p, V, [2, 1, 1], "iid"), "node", "kseq", 3),
+}
+for _name, (_law, _per, _rule, _depth) in STOP_CASES.items():
+    METHODS[_name] = (lambda p, law=_law, per=_per: toy.confidence_cut(law(p), STOP, per), _rule, _depth)
 
 
 def _gap(method: str, draft, target, rule: str | None = None) -> float:
@@ -103,3 +115,25 @@ def _children_sorted_by_token(tree):
             parents.append(new_index[node])
     idx = torch.tensor(old_order)
     return toy.DraftTree(tree.token_ids[idx], torch.tensor(parents), tree.draft_probs[idx])
+
+
+@pytest.mark.parametrize("method", STOP_CASES)
+def test_confidence_stop_cases_cut_trees(method):
+    """The stop cases are not vacuous: on the random case the cut removes nodes from some trees."""
+    law, per, _, _ = STOP_CASES[method]
+    draft, _ = CASES["random"]()
+    trees = law(draft)
+    cut = toy.confidence_cut(trees, STOP, per)
+    sizes = [(t.token_ids.numel(), c.token_ids.numel()) for (t, _), (c, _) in zip(trees, cut, strict=True)]
+    assert all(c <= n for n, c in sizes) and any(c < n for n, c in sizes)
+
+
+def test_confidence_stop_rsd_s_three_levels():
+    """RSD-S's level stop at both inner levels (W=2, L=3: ~20 s per case, so one case here)."""
+    draft, target = CASES["random"]()
+    trees = toy.sbs_tree_law(draft, V, 2, 3)
+    cut = toy.confidence_cut(trees, STOP, "level")
+    depths = {len(t.token_ids) for t, _ in cut}
+    assert len(depths) > 1  # the stop fired at some level in some trees
+    law = toy.speculative_law(cut, target, RULES["rrs"], 4)
+    assert toy.max_abs_diff(law, toy.extend((), target, 4)) < TOL

@@ -28,6 +28,8 @@ GREEDY_METHODS = [
     ("rsd_c", "3,1"),
     ("rsd_s", "3x4"),
     ("rsd_s", "2x2"),
+    ("rsd_s", "3x6@0.3"),  # confidence stop
+    ("sd", "8@0.4"),
 ]
 PROMPTS = [[2, 10, 11, 12], [2, 50], [2, 7, 7, 7, 7, 30, 31]]
 
@@ -124,6 +126,7 @@ def target_law_two_tokens(model, prompt: list[int], params: SamplingParams) -> d
         ("rsd_c", "2,2", SamplingParams(temperature=1.0)),
         ("rsd_s", "3x2", SamplingParams(temperature=0.7, top_k=6)),
         ("spectr", "2x2", SamplingParams(temperature=1.0, top_p=0.9)),
+        ("rsd_s", "3x2@0.3", SamplingParams(temperature=1.0)),
     ],
 )
 def test_first_tokens_follow_target_law(tiny_vocab_pair, name, shape, params):

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from rsd_runtime.models import load_model, load_tokenizer, parse_dtype
+from rsd_runtime.models import cpu_has_native_bf16, load_model, load_tokenizer, parse_dtype
 from rsd_runtime.runner import ModelRunner
 from rsd_runtime.tiny import build_tiny_pair, build_tiny_vocab_pair
 
@@ -240,3 +240,29 @@ def test_dtype_strings():
     assert parse_dtype("bfloat16") is torch.bfloat16
     with pytest.raises(ValueError, match="dtype"):
         parse_dtype("fp8")
+    # auto: the fastest native dtype of the device; this CPU's answer follows its instruction set
+    assert parse_dtype("auto", "cpu") is (torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_small_batch_linear_path_per_dtype(dtype):
+    """fp32 takes weight @ x.T for any row count up to max_rows (rows > 4 padded to a multiple of 8);
+    bf16 keeps F.linear (oneDNN) up to 8 rows and only then transposes; beyond max_rows, F.linear."""
+    from rsd_runtime.models import set_small_batch_rows, use_small_batch_linear
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 48)).to(dtype)
+    layer = model[0]
+    assert use_small_batch_linear(model, max_rows=16) == 1
+    for rows in (1, 3, 8, 13, 16, 40):
+        x = torch.randn(2, rows, 32, dtype=dtype)[:1]  # [1, R, in]: a batch of one, as the runner uses
+        plain = torch.nn.functional.linear(x, layer.weight, layer.bias)
+        out = layer(x)
+        assert out.shape == plain.shape == (1, rows, 48) and out.dtype == dtype
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(out, plain, atol=tol, rtol=tol)
+        if (dtype == torch.bfloat16 and rows <= 8) or rows > 16:
+            assert torch.equal(out, plain)  # the very same kernel
+    set_small_batch_rows(model, 0)
+    x = torch.randn(1, 5, 32, dtype=dtype)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))

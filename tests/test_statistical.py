@@ -15,6 +15,7 @@ from tests import toy
 
 V = 4
 P_MIN = 1e-4
+STOP = 0.3  # confidence stop, as in test_exact.py
 
 
 def chi_square_pvalue(counts: dict, law: dict, n: int) -> float:
@@ -58,6 +59,19 @@ DRAFTERS = {
         lambda p, g: draft_sbs(toy.TableProposal(p), 0, 2, 2, g),
         lambda p: toy.sbs_tree_law(p, V, 2, 2),
     ),
+    # the confidence stop: the code's trees follow the cut laws that test_exact.py proves exact
+    "rsd_c_2x1x1_stop": (
+        lambda p, g: draft_tree(toy.TableProposal(p), 0, [2, 1, 1], "without_replacement", g, stop_below=STOP),
+        lambda p: toy.confidence_cut(toy.branching_tree_law(p, V, [2, 1, 1], "without_replacement"), STOP, "node"),
+    ),
+    "spectr_k2_l3_stop": (
+        lambda p, g: draft_spectr(toy.TableProposal(p), 0, 2, 3, g, stop_below=STOP),
+        lambda p: toy.confidence_cut(toy.branching_tree_law(p, V, [2, 1, 1], "iid"), STOP, "node"),
+    ),
+    "rsd_s_w2_l3_stop": (
+        lambda p, g: draft_sbs(toy.TableProposal(p), 0, 2, 3, g, stop_below=STOP),
+        lambda p: toy.confidence_cut(toy.sbs_tree_law(p, V, 2, 3), STOP, "level"),
+    ),
 }
 
 
@@ -65,7 +79,9 @@ DRAFTERS = {
 def test_drafted_trees_follow_the_enumerated_law(name):
     sample_tree, tree_law = DRAFTERS[name]
     draft = toy.random_table(21, V)
-    law = {_key(t): p for t, p in tree_law(draft)}
+    law = {}
+    for t, p in tree_law(draft):  # several full trees can share a cut
+        law[_key(t)] = law.get(_key(t), 0.0) + p
     g, n, counts = torch.Generator().manual_seed(0), 6000, {}
     for _ in range(n):
         k = _key(sample_tree(draft, g))

@@ -184,6 +184,40 @@ def _sbs_tree(seen: list[list[tuple[int, ...]]], table: Table, vocab: int, depth
     return _make_tree(tokens, parents, table, vocab)
 
 
+def confidence_cut(trees: list[tuple[DraftTree, float]], tau: float, per: str) -> list[tuple[DraftTree, float]]:
+    """The trees of a strategy with the confidence stop of rsd.drafting, with their probabilities:
+    per="node": a node drawn with probability < tau (its entry in its parent's law) keeps no children;
+    per="level" (RSD-S): everything below the first level where every node is below tau is cut.
+    The stop only decides whether children are drawn, so the cut of the untruncated tree has the
+    law of what the drafter builds (tests/test_statistical.py checks this against the code)."""
+    out = []
+    for tree, prob in trees:
+        tokens, parents = tree.token_ids.tolist(), tree.parent_idx.tolist()
+        own = [1.0] + [float(tree.draft_probs[parents[n], tokens[n]]) for n in range(1, len(tokens))]
+        depth = [0] * len(tokens)
+        for n in range(1, len(tokens)):
+            depth[n] = depth[parents[n]] + 1
+        if per == "node":
+            kept = [0]
+            for n in range(1, len(tokens)):  # BFS order: a parent is decided before its children
+                if parents[n] in kept and own[parents[n]] >= tau:
+                    kept.append(n)
+        else:
+            cut = next(
+                (d for d in range(1, max(depth) + 1) if max(own[n] for n in range(len(tokens)) if depth[n] == d) < tau),
+                max(depth),
+            )
+            kept = [n for n in range(len(tokens)) if depth[n] <= cut]
+        index = {n: i for i, n in enumerate(kept)}
+        has_children = {parents[n] for n in kept[1:]}
+        draft = torch.stack(
+            [tree.draft_probs[n] if n in has_children else torch.zeros_like(tree.draft_probs[n]) for n in kept]
+        )
+        new_parents = torch.tensor([-1] + [index[parents[n]] for n in kept[1:]])
+        out.append((DraftTree(tree.token_ids[kept], new_parents, draft), prob))
+    return out
+
+
 # ---- laws of emitted text ----------------------------------------------------------------------
 
 
