@@ -555,7 +555,9 @@ def markdown(result: dict) -> str:
         "",
         f"- target `{result['models']['target']['path']}` ({result['models']['target']['params'] / 1e9:.2f}B "
         f"params), draft `{result['models']['draft']['path']}` ({result['models']['draft']['params'] / 1e9:.2f}B), "
-        f"{result['models']['target']['dtype']} on {result['models']['target']['device']}",
+        f"target {result['models']['target']['dtype']}"
+        + (f", draft {result['models']['draft']['dtype']}" if result["models"]["draft"] else "")
+        + f" on {result['models']['target']['device']}",
         f"- machine: {result['machine']['cpu_model']}, {result['machine']['cores']} cores, torch "
         f"{result['machine']['torch']} with {result['machine']['torch_threads']} threads; load average "
         f"{result['machine']['loadavg_start']} at start, "
@@ -625,7 +627,7 @@ def summary_tables(rows: list[dict]) -> list[str]:
     speed = [r for r in rows if r["protocol"] != "fixed_depth" and r["tokens_per_s"]]
     if speed:
         out += ["### Tokens per second: the fastest shape of each method", ""]
-        out += ["| T | method | shape | tok/s | vs fastest ar | block eff. |", "|" + " --- |" * 6]
+        out += ["| T | method | shape | tok/s | vs fastest ar | steady vs ar | block eff. | MBSU |", "|" + " --- |" * 8]
         for t in temps:
             for method in METHOD_ORDER:
                 cands = [r for r in speed if r["method"] == method and r["temperature"] == t]
@@ -633,7 +635,8 @@ def summary_tables(rows: list[dict]) -> list[str]:
                     r = max(cands, key=lambda r: r["tokens_per_s"])
                     out.append(
                         f"| {_fmt(t, 1)} | {method} | {_fmt(r['shape'])} | {r['tokens_per_s']:.3f} | "
-                        f"{_fmt(r['speedup_vs_ar'])} | {_fmt(r['block_efficiency'])} |"
+                        f"{_fmt(r['speedup_vs_ar'])} | {_fmt(r['steady_speedup_vs_ar'])} | "
+                        f"{_fmt(r['block_efficiency'])} | {_fmt(r['mbsu'])} |"
                     )
         out.append("")
     return out

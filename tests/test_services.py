@@ -39,7 +39,14 @@ from verifier_service.engine import BatchedVerifier, UnknownSessionError, Verify
 PROMPT = [2, 10, 11, 12, 13]
 MAX_LEN = 256
 NEW_TOKENS = 20
-CASES = [("sd", "3"), ("specinfer", "2,2"), ("spectr", "2x3"), ("rsd_c", "2,2,1"), ("rsd_s", "3x3"), ("rsd_s", "3x4@0.2")]
+CASES = [
+    ("sd", "3"),
+    ("specinfer", "2,2"),
+    ("spectr", "2x3"),
+    ("rsd_c", "2,2,1"),
+    ("rsd_s", "3x3"),
+    ("rsd_s", "3x4@0.2"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +122,9 @@ def test_every_method_matches_in_process_generator(models):
         jobs.append((f"greedy-{i}-{name}", gen_params(name, shape, 0.0, seed=i), greedy.token_ids))
         params = gen_params(name, shape, 0.8, seed=100 + i, top_p=0.95 if i % 2 else None)
         sampling = SamplingParams(0.8, top_p=0.95 if i % 2 else 1.0)
-        jobs.append((f"sample-{i}-{name}", params, reference(models, PROMPT, Method.parse(name, shape), sampling, 100 + i)))
+        jobs.append(
+            (f"sample-{i}-{name}", params, reference(models, PROMPT, Method.parse(name, shape), sampling, 100 + i))
+        )
 
     async def main():
         unbatched = {"num_slots": len(jobs), "batching": False}  # test 2 covers the batched path
