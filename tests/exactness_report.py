@@ -5,7 +5,7 @@ import pathlib
 
 from rsd.acceptance import RULES
 from tests import toy
-from tests.test_exact import CASES, METHODS, V, _children_sorted_by_token, _gap
+from tests.test_exact import CASES, METHODS, STOP, V, _children_sorted_by_token, _gap, _unsure_nodes_dropped
 
 
 def main() -> None:
@@ -27,11 +27,18 @@ def main() -> None:
         (_children_sorted_by_token(t), p) for t, p in toy.branching_tree_law(draft, V, [3, 1], "without_replacement")
     ]
     wrong_order = toy.max_abs_diff(toy.speculative_law(trees, target, RULES["rrs"], 3), toy.extend((), target, 3))
+    dropped = _unsure_nodes_dropped(toy.branching_tree_law(draft, V, [2, 2], "without_replacement"), STOP)
+    wrong_stop = toy.max_abs_diff(toy.speculative_law(dropped, target, RULES["rrs"], 3), toy.extend((), target, 3))
     lines += [
+        "",
+        f"`*_stop`: the confidence stop of rsd.drafting at tau = {STOP} (the strategy's trees cut where the draft "
+        "was unsure; RSD-S per level). RSD-S at depth 3 with the stop is checked on the random case in "
+        "`test_confidence_stop_rsd_s_three_levels`.",
         "",
         "Negative controls (must be large):",
         f"- RSD-C 2x2 drafts verified with the with-replacement rule: {wrong_rule:.3f}",
         f"- RSD-C 3x1 siblings re-sorted by token id before RRS: {wrong_order:.3f}",
+        f"- RSD-C 2x2 with a wrong stop that drops unsure siblings instead of not expanding them: {wrong_stop:.3f}",
     ]
     text = "\n".join(lines) + "\n"
     print(text)

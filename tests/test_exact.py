@@ -137,3 +137,28 @@ def test_confidence_stop_rsd_s_three_levels():
     assert len(depths) > 1  # the stop fired at some level in some trees
     law = toy.speculative_law(cut, target, RULES["rrs"], 4)
     assert toy.max_abs_diff(law, toy.extend((), target, 4)) < TOL
+
+
+def _unsure_nodes_dropped(trees, tau):
+    """The wrong way to stop: remove a node the draft was unsure of (and its subtree) instead of
+    only not expanding it. Which siblings survive then depends on their identity."""
+    out = []
+    for tree, prob in trees:
+        tokens, parents = tree.token_ids.tolist(), tree.parent_idx.tolist()
+        kept = [0]
+        for n in range(1, len(tokens)):
+            if parents[n] in kept and float(tree.draft_probs[parents[n], tokens[n]]) >= tau:
+                kept.append(n)
+        index = {n: i for i, n in enumerate(kept)}
+        has_children = {parents[n] for n in kept[1:]}
+        draft = torch.stack([tree.draft_probs[n] * (n in has_children) for n in kept])
+        parent_idx = torch.tensor([-1] + [index[parents[n]] for n in kept[1:]])
+        out.append((toy.DraftTree(tree.token_ids[kept], parent_idx, draft), prob))
+    return out
+
+
+def test_negative_control_stop_that_drops_unsure_siblings():
+    draft, target = CASES["random"]()
+    trees = _unsure_nodes_dropped(toy.branching_tree_law(draft, V, [2, 2], "without_replacement"), STOP)
+    law = toy.speculative_law(trees, target, RULES["rrs"], 3)
+    assert toy.max_abs_diff(law, toy.extend((), target, 3)) > 1e-3
