@@ -140,7 +140,8 @@ def start_cluster(args: argparse.Namespace) -> Cluster:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     repo_root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo_root, env.get("PYTHONPATH", "")]))
-    threads = ["--threads", str(args.threads)] if args.threads else []
+    model_flags = ["--threads", str(args.threads)] if args.threads else []
+    model_flags += ["--dtype", args.dtype]
     py = sys.executable
     try:
         redis_server = None if args.no_redis else shutil.which("redis-server")
@@ -162,13 +163,22 @@ def start_cluster(args: argparse.Namespace) -> Cluster:
         registry_v, registry_d = [*registry, "--verifier-id", "verifier-0"], [*registry, "--drafter-id", "drafter-0"]
         verifier = cluster.spawn(
             "verifier",
-            [*service, "verifier_service", "--port", str(v_port), "--model", str(target_dir), *registry_v, *threads],
+            [
+                *service,
+                "verifier_service",
+                "--port",
+                str(v_port),
+                "--model",
+                str(target_dir),
+                *registry_v,
+                *model_flags,
+            ],
             env,
             f"127.0.0.1:{v_port}",
         )
         drafter = cluster.spawn(
             "drafter",
-            [*service, "drafter_service", "--port", str(d_port), "--model", str(draft_dir), *registry_d, *threads],
+            [*service, "drafter_service", "--port", str(d_port), "--model", str(draft_dir), *registry_d, *model_flags],
             env,
             f"127.0.0.1:{d_port}",
         )
@@ -253,6 +263,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per model process (0: torch's default)")
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16", "auto"],
+        help="both model services' dtype (auto: bf16 where the device multiplies it natively)",
+    )
     ap.add_argument("--run-dir", default=None, help="logs go here (default: a new temporary folder)")
     ap.add_argument("--start-timeout-s", type=float, default=600.0)
     ap.add_argument("--stop-timeout-s", type=float, default=15.0)

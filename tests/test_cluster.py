@@ -35,6 +35,9 @@ def test_cluster_runs_every_service_as_a_process(cluster):
     assert names == (["redis", *expected] if shutil.which("redis-server") else expected)
     assert all(p.proc.poll() is None for p in started.processes)
     assert all((started.run_dir / f"{name}.log").is_file() for name in names)
+    for p in started.processes:  # both model services get the launcher's dtype (default float32)
+        if p.name in ("verifier", "drafter"):
+            assert p.proc.args[p.proc.args.index("--dtype") + 1] == "float32"
 
 
 def test_generation_through_the_gateway(cluster, capsys):
