@@ -9,7 +9,8 @@
 Methods are `name[:shape]`, separated by ';' in --config (shapes contain commas) or given one per
 --method flag: ar (target alone), sd:L, specinfer:K1,K2,..., spectr:KxL, rsd_c:K1,K2,..., rsd_s:WxL,
 and hf_assisted[:k] (transformers' assisted generation with the same two models; k = draft tokens
-per step with a constant schedule, no k = transformers' defaults). Every method runs on the same
+per step with a constant schedule, no k = transformers' defaults). Any tree shape may end in @tau,
+the confidence stop of rsd.drafting (e.g. rsd_s:2x12@0.2). Every method runs on the same
 models, prompts, per-prompt seeds, temperatures and max new tokens; runs are interleaved (for each
 prompt, for each temperature, every method) so a background load hits all methods alike and a run
 stopped early still covers every temperature.
