@@ -16,6 +16,7 @@ rsd.drafting, which makes the shape an upper bound and drafts deep only where th
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +49,7 @@ class Method:
         if not 0 <= stop_below < 1:
             raise ValueError(f"confidence stop '@{tau}' must be a probability in [0, 1)")
         method = Method._parse_shape(name, shape)
-        return method if not stop_below else Method(method.name, method.branching, method.beam_width, stop_below)
+        return dataclasses.replace(method, stop_below=stop_below)
 
     @staticmethod
     def _parse_shape(name: str, shape: str) -> Method:

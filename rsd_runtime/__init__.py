@@ -1,1 +1,5 @@
 """Runtime: model loading, tree-attention runner, in-process generator, CLI."""
+
+# Model dtypes by name, for flags and configs that must not import torch to parse; models.DTYPES maps
+# them to torch dtypes, and "auto" (models.parse_dtype) resolves to one of them per device.
+DTYPE_NAMES = ("float32", "bfloat16", "float16")

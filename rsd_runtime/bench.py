@@ -59,6 +59,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from rsd_runtime import DTYPE_NAMES
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here reaches a model hub
 
 DEFAULT_SHAPES = {"sd": "4", "specinfer": "2,2,1", "spectr": "3x4", "rsd_c": "2,2,1", "rsd_s": "3x4", "hf_assisted": ""}
@@ -75,7 +77,7 @@ BUDGET_CANDIDATES = {
     21: {"sd": ["8"], "tree": ["3,2,1,1", "2,2,1,1,1"], "kxl": ["3x7", "4x5"]},
     30: {"sd": ["8"], "tree": ["2,2,2,1,1", "3,3,1"], "kxl": ["5x6", "6x5"]},
 }
-AR_DTYPES = ("float32", "bfloat16", "float16")
+AR_DTYPES = DTYPE_NAMES  # ar:DTYPE: the target alone, loaded again in that dtype
 METHOD_ORDER = ("ar", "sd", "specinfer", "spectr", "rsd_c", "rsd_s", "hf_assisted")
 MBSU_FORMULA = (
     "mbsu = block_efficiency / (1 + c * draft_forwards_per_step), c = draft / target single-token forward "
@@ -826,9 +828,9 @@ def main(argv: list[str] | None = None) -> int:
             specs.insert(1 + [s.name for s in specs].index("ar"), Spec("ar", "plain"))  # the other ar baseline
             where["ar:plain"] = where["ar"]
         target_dtype, draft_dtype = args.target_dtype or args.dtype, args.draft_dtype or args.dtype
-        for dtype in args.ar_dtype:
-            from rsd_runtime.models import parse_dtype
+        from rsd_runtime.models import parse_dtype
 
+        for dtype in args.ar_dtype:
             if parse_dtype(dtype) is parse_dtype(target_dtype, args.device):
                 raise ValueError(f"--ar-dtype {dtype} is the target's own dtype: the ar row runs it already")
             if any(s.name == "ar" for s in specs) and Spec("ar", dtype) not in specs:

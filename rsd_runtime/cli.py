@@ -17,6 +17,8 @@ import os
 import sys
 from pathlib import Path
 
+from rsd_runtime import DTYPE_NAMES
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here reaches a model hub
 
 
@@ -38,8 +40,8 @@ def _add_generate(sub) -> None:
     )
     p.add_argument("--draft-device", default="cpu")
     p.add_argument("--target-device", default="cpu")
-    p.add_argument("--draft-dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
-    p.add_argument("--target-dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
+    p.add_argument("--draft-dtype", default="float32", choices=[*DTYPE_NAMES, "auto"])
+    p.add_argument("--target-dtype", default="float32", choices=[*DTYPE_NAMES, "auto"])
     p.add_argument("--draft-top-k", type=int, default=0, help="drafter-side truncation of its proposal")
     p.add_argument("--draft-top-p", type=float, default=1.0)
     p.add_argument("--max-len", type=int, default=2048, help="KV cache capacity per model, in tokens")

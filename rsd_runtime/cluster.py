@@ -32,6 +32,7 @@ from pathlib import Path
 
 import redis
 
+from rsd_runtime import DTYPE_NAMES
 from rsd_runtime.serving import wait_healthy
 
 TINY_PROMPT = "w2 w10 w11 w12 w13"
@@ -266,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--dtype",
         default="float32",
-        choices=["float32", "bfloat16", "float16", "auto"],
+        choices=[*DTYPE_NAMES, "auto"],
         help="both model services' dtype (auto: bf16 where the device multiplies it natively)",
     )
     ap.add_argument("--run-dir", default=None, help="logs go here (default: a new temporary folder)")

@@ -10,7 +10,9 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from rsd_runtime import DTYPE_NAMES
+
+DTYPES = dict(zip(DTYPE_NAMES, (torch.float32, torch.bfloat16, torch.float16), strict=True))
 # Text every tokenizer we load must encode the same way as its own tokenizer.json:
 # words of the tiny test vocabulary plus ordinary code.
 _PROBE = "w0 w1 w2 def add(a, b):\n    return a + b"
