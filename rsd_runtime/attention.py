@@ -13,7 +13,9 @@ How a model takes its masks:
 
 check_model() refuses, with the reason, what no mask can express: ALiBi biases computed from the cache
 layout (Bloom, MPT, Falcon with alibi), GPT-Neo's local layers (windowed by cache index), chunked or
-non-attention layers, and attention backends that ignore a float mask. A refusal is an answer; a
+non-attention layers, and attention backends that ignore a float mask; then it runs one small tree
+through the model and compares it with the model's own causal forwards (once per model), which
+catches any other architecture that takes positions from somewhere else. A refusal is an answer; a
 wrong token is not.
 """
 
@@ -58,7 +60,15 @@ class AttentionPlan:
 
 def check_model(model: PreTrainedModel, max_kv_len: int) -> AttentionPlan:
     """The plan for tree forwards whose keys never number more than `max_kv_len`, or
-    UnsupportedModelError naming the architecture and the reason."""
+    UnsupportedModelError naming the architecture and the reason: first what the config says
+    (below), then one small tree through the model itself (probe_tree_forward), so an architecture
+    that takes positions or biases from anywhere else is refused too."""
+    plan = _plan(model, max_kv_len)
+    probe_tree_forward(model, plan)
+    return plan
+
+
+def _plan(model: PreTrainedModel, max_kv_len: int) -> AttentionPlan:
     config = model.config.get_text_config()
     arch = f"{config.model_type} ({type(model).__name__})"
     attn = model.config._attn_implementation
@@ -138,3 +148,55 @@ def _mentions(model: PreTrainedModel, word: str) -> bool:
 def _takes_mask_dict(model: PreTrainedModel) -> bool:
     """transformers' models with layer types accept {layer_type: mask} (`isinstance(..., dict)`)."""
     return "attention_mask, dict)" in _module_source(model)
+
+
+# Worst tolerated |tree logit - causal logit| / (1 + max |causal logit|) of the load-time probe: float32
+# rounds to ~1e-6 here; 16-bit kernels on different shapes differ by up to a few ulps of the logits.
+_PROBE_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-9}
+_PROBE_TOLERANCE_16BIT = 5e-2
+
+
+@torch.inference_mode()
+def probe_tree_forward(model: PreTrainedModel, plan: AttentionPlan) -> float:
+    """Run one small tree through the model with the plan's masks and explicit positions and compare
+    each node's logits with the model's own causal forward of its path; UnsupportedModelError when
+    they differ (an architecture that takes positions or biases from somewhere else). Returns the
+    relative error. Once per model: the result is kept on it.
+
+    The tree: a prefix p0..p3, then siblings a and b (both at position 4) and c, child of b (5).
+    """
+    cached = model.__dict__.get("_rsd_tree_probe")
+    if cached is not None:
+        return cached
+    config = model.config.get_text_config()
+    arch = f"{config.model_type} ({type(model).__name__})"
+    vocab, device = config.vocab_size, model.device
+    ids = torch.tensor([(5 * i + 3) % vocab for i in range(7)], device=device)  # [p0 p1 p2 p3 a b c]
+    parents = [-1, 0, 1, 2, 3, 3, 5]
+    allowed = torch.zeros(7, 7, dtype=torch.bool)  # [7, 7]: each node sees its ancestors and itself
+    for i in range(7):
+        j = i
+        while j != -1:
+            allowed[i, j], j = True, parents[j]
+    pos = torch.tensor([0, 1, 2, 3, 4, 4, 5], device=device)  # [7]
+    masks = plan.masks(allowed.to(device), pos, pos, model.dtype)
+    try:
+        tree = model(input_ids=ids[None], attention_mask=masks, position_ids=pos[None], use_cache=False)
+        tree_logits = tree.logits[0, 4:].float()  # [3, V]: a, b, c
+        paths = ([0, 1, 2, 3, 4], [0, 1, 2, 3, 5], [0, 1, 2, 3, 5, 6])
+        ref = torch.stack([model(input_ids=ids[list(p)][None], use_cache=False).logits[0, -1].float() for p in paths])
+    except Exception as e:  # what the model cannot take is a refusal, not a crash in the first request
+        raise UnsupportedModelError(f"{arch}: a tree forward with a 4-D mask and positions fails: {e}") from e
+    finite = torch.isfinite(ref)  # a pruned draft head scores some ids -inf (models.PrunedLMHead)
+    if not torch.equal(torch.isfinite(tree_logits), finite):
+        err = float("inf")
+    else:
+        err = float((tree_logits - ref)[finite].abs().max() / (1 + ref[finite].abs().max()))
+    tolerance = _PROBE_TOLERANCE.get(model.dtype, _PROBE_TOLERANCE_16BIT)
+    if not err <= tolerance:
+        raise UnsupportedModelError(
+            f"{arch}: a tree forward differs from the model's own causal forward (relative error {err:.1e} > "
+            f"{tolerance:.0e}): it takes positions or attention biases from the cache layout"
+        )
+    model.__dict__["_rsd_tree_probe"] = err
+    return err

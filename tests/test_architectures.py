@@ -244,3 +244,27 @@ def test_readme_table_lists_the_matrix():
     for arch in ARCHS:
         assert arch.name in rows, f"{arch.name} missing from README's architecture table"
         assert ("**refused**" in rows[arch.name]) == bool(arch.refused), arch.name
+
+
+def test_probe_refuses_a_model_that_ignores_positions():
+    """The load-time probe: a model whose forward drops our position ids (so it numbers the tree's
+    tokens by cache slot) passes every config rule and is still refused, with the measured error.
+    (Attention weights scaled up so that positions move these tiny models' logits visibly.)"""
+    from rsd_runtime.attention import probe_tree_forward
+    from tests.architectures import build
+
+    def sharp_llama():
+        model = build(BY_NAME["llama"], seed=7)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "self_attn" in name:
+                    p.mul_(8)
+        return model
+
+    model = sharp_llama()
+    assert probe_tree_forward(model, ModelRunner(model, 32).plan) < 1e-5  # the honest model passes
+    broken = sharp_llama()
+    forward = broken.model.forward
+    broken.model.forward = lambda *args, position_ids=None, **kwargs: forward(*args, **kwargs)
+    with pytest.raises(UnsupportedModelError, match="differs from the model's own causal forward"):
+        ModelRunner(broken, 32)
