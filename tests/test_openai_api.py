@@ -7,6 +7,7 @@ HTTP from one engine. Every HTTP answer is checked against what the gRPC API giv
 from __future__ import annotations
 
 import copy
+import ssl
 import time
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ from rsd_runtime.tiny import word_tokenizer
 from rsd_wire import common_pb2, gateway_pb2
 from tests import test_gateway
 from tests.test_gateway import start_registered_services
+from tests.test_security import make_pki
 
 # test_gateway's fixtures: the tiny Qwen2 pair and its tokenizer, the server loop thread, redis-server
 tiny_dirs, tiny_tokenizer, pair = test_gateway.tiny_dirs, test_gateway.tiny_tokenizer, test_gateway.pair
@@ -339,6 +341,30 @@ def test_waiting_client_disconnect_cancels_the_turn(gw):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{gw.base_url}/completions", json=body, headers=headers, timeout=httpx.Timeout(60, read=1.0))
     _assert_cancelled_and_intact(gw, first.session_id, 4 + 1 + 1, "")
+
+
+def test_request_ids_are_echoed(gw):
+    headers = {"authorization": f"Bearer {TOKEN}", "x-request-id": "my-call-7"}
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
+    reply = httpx.post(f"{gw.base_url}/completions", json=body, headers=headers, timeout=60)
+    assert reply.headers["x-request-id"] == "my-call-7" and reply.json()["id"] == "cmpl-my-call-7"
+    anonymous = httpx.post(f"{gw.base_url}/completions", json=body, headers=headers | {"x-request-id": ""}, timeout=60)
+    assert anonymous.json()["id"] == f"cmpl-{anonymous.headers['x-request-id']}" != "cmpl-"
+
+
+def test_https_with_client_certificates(start_gateway, tmp_path_factory):
+    pki = make_pki(tmp_path_factory.mktemp("pki"))
+    secure = start_gateway(tls_cert=pki["server"], tls_key=pki["server_key"], tls_ca=pki["ca"])
+    assert secure.base_url.startswith("https://127.0.0.1:")
+    trusted = ssl.create_default_context(cafile=pki["ca"])
+    trusted.load_cert_chain(pki["client"], pki["client_key"])
+    client = openai.OpenAI(
+        base_url=secure.base_url, api_key=TOKEN, max_retries=0, http_client=httpx.Client(verify=trusted)
+    )
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    no_certificate = httpx.Client(verify=ssl.create_default_context(cafile=pki["ca"]))
+    with pytest.raises(openai.APIConnectionError):
+        openai.OpenAI(base_url=secure.base_url, api_key=TOKEN, max_retries=0, http_client=no_certificate).models.list()
 
 
 def test_http_calls_share_the_gateway_metrics(gw):
