@@ -20,8 +20,9 @@ token, 404 unknown model or session, 409 the session is already generating, 413 
 capacity, 503/504 the services are away / the turn ran out of time, 500 anything else (logged once with
 the request id). An error after a stream began comes as one `data: {"error": ...}` event before [DONE].
 
-A client that disconnects cancels its turn (a stream: Starlette cancels the response; a waiting
-request: a task watches for the disconnect). What the turn committed stays in the session.
+A client that disconnects cancels its turn (a stream: Starlette cancels the response, _EventStream's
+on_close cancels the turn; a waiting request: a task watches for the disconnect). What the turn
+committed stays in the session.
 """
 
 from __future__ import annotations
@@ -223,8 +224,7 @@ class HttpApi:
             reply = Reply(model is ChatCompletionRequest, call.request_id, self.model_name, first.session_id)
             reply.include_usage = body.include_usage
             if body.stream:
-                stream = self._stream(call, events, observe, first.started, reply)
-                return _with_id(StreamingResponse(stream, media_type="text/event-stream"), call)
+                return _with_id(self._stream_response(call, events, observe, first.started, reply), call)
             response = await self._whole(request, call, events, observe, first.started, reply)
         except Exception as e:
             error = api_error(e, call.request_id)
@@ -254,8 +254,7 @@ class HttpApi:
         return JSONResponse(reply.whole(text, FINISH_REASONS[finished.reason], usage(started, finished)))
 
     async def _stream(self, call, events, observe, started, reply) -> AsyncIterator[str]:
-        """The SSE body; a client that disconnects cancels the response (Starlette), hence the turn."""
-        finished = None
+        """The SSE body: a first chunk, one per delta with text, the finish, [usage], [DONE]."""
         try:
             yield _sse(reply.chunk("", first=True))
             async for event in events:
@@ -264,26 +263,28 @@ class HttpApi:
                 if kind == "delta" and event.delta.text:
                     yield _sse(reply.chunk(event.delta.text))
                 elif kind == "finished":
-                    finished = event.finished
-            if finished is None:
-                raise ApiError(grpc.StatusCode.INTERNAL, "the turn ended without a finish event")
-            yield _sse(reply.chunk("", FINISH_REASONS[finished.reason]))
-            if reply.include_usage:
-                yield _sse(reply.usage_chunk(usage(started, finished)))
-            yield "data: [DONE]\n\n"
-            call.finish()
+                    call.finish()  # the turn is over: a client leaving now cancels nothing
+                    yield _sse(reply.chunk("", FINISH_REASONS[event.finished.reason]))
+                    if reply.include_usage:
+                        yield _sse(reply.usage_chunk(usage(started, event.finished)))
+                    yield "data: [DONE]\n\n"
+                    return
+            raise ApiError(grpc.StatusCode.INTERNAL, "the turn ended without a finish event")
         except Exception as e:
             error = api_error(e, call.request_id)
             call.finish(error)
             yield _sse(error.body())
             yield "data: [DONE]\n\n"
-        finally:
-            with anyio.CancelScope(shield=True):  # also when the response was cancelled (a disconnect)
-                if finished is None and not call.done:  # the client left before the turn ended
-                    await self._cancel_turn(reply.session_id)
-                call.finish(asyncio.CancelledError())  # no-op after a whole stream or an error
-                await events.aclose()
-                observe.end()
+
+    def _stream_response(self, call, events, observe, started, reply) -> StreamingResponse:
+        async def on_close() -> None:
+            if not call.done:  # the client left before the turn ended
+                await self._cancel_turn(reply.session_id)
+                call.finish(asyncio.CancelledError())
+            await events.aclose()
+            observe.end()
+
+        return _EventStream(self._stream(call, events, observe, started, reply), on_close)
 
     async def _cancel_turn(self, session_id: str) -> None:
         try:
@@ -314,6 +315,23 @@ async def _disconnected(request: Request) -> None:
     """Returns when the client has gone (the body was read already: the next message is the disconnect)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that run `on_close` however the response ends: streamed whole, or cancelled when
+    the client disconnects (Starlette cancels it), even before its body started or while it was sending."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], Any]):
+        super().__init__(content, media_type="text/event-stream")
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+                await self.on_close()
 
 
 def _sse(body: dict[str, Any]) -> str:
