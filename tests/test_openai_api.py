@@ -288,14 +288,23 @@ def test_unknown_model_is_404(gw):
     assert info.value.code == "model_not_found"
 
 
-def test_no_capacity_is_429(start_gateway):
-    small = start_gateway(max_running_turns=1)
+@pytest.mark.parametrize("limit", ["max_running_turns", "max_concurrent_rpcs"])
+def test_no_capacity_is_429(start_gateway, limit):
+    small = start_gateway(**{limit: 1})
     client = small.openai()
     with client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2000, temperature=0.0, stream=True) as s:
         first = next(iter(s))
-        with pytest.raises(openai.RateLimitError, match="max_running_turns"):
+        with pytest.raises(openai.RateLimitError, match=limit):
             client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
     assert wait_until_done(small, first.session_id).status == gateway_pb2.SESSION_STATUS_CANCELLED
+
+
+def test_body_over_max_message_bytes_is_413(start_gateway):
+    small = start_gateway(max_message_bytes=4096)
+    body = {"model": MODEL, "prompt": "w1 " * 2000, "max_tokens": 2}
+    headers = {"authorization": f"Bearer {TOKEN}"}
+    reply = httpx.post(f"{small.base_url}/completions", json=body, headers=headers, timeout=60)
+    assert reply.status_code == 413 and "4096" in reply.json()["error"]["message"]
 
 
 # ---------------------------------------------------------------------------------------------
