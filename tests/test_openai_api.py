@@ -20,12 +20,13 @@ from prometheus_client import generate_latest
 from gateway.chat import ChatTemplate
 from gateway.config import GatewayConfig
 from gateway.server import create_server
+from gateway.store import MemorySessionStore
 from rsd_runtime.client import RsdClient
 from rsd_runtime.security import ClientSecurity
 from rsd_runtime.tiny import word_tokenizer
 from rsd_wire import common_pb2, gateway_pb2
 from tests import test_gateway
-from tests.test_gateway import start_registered_services
+from tests.test_gateway import start_registered_services, start_stack
 from tests.test_security import make_pki
 
 # test_gateway's fixtures: the tiny Qwen2 pair and its tokenizer, the server loop thread, redis-server
@@ -138,6 +139,23 @@ def _without_template(tokenizer):
     plain = copy.deepcopy(tokenizer)
     plain.chat_template = None
     return plain
+
+
+def test_a_chat_turn_also_stops_at_the_end_of_turn_token(loop, pair, tiny_tokenizer):
+    """The drafter is told to stop at eos and at the template's end of turn (here <pad>, id 0) for a chat
+    turn, at eos alone for a text turn; the ReferenceDrafter double of test_gateway records its runs."""
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.chat_template = tok.chat_template.replace("<eos>", "<pad>")
+    stack = start_stack(loop, (pair[0], pair[1], tok), MemorySessionStore())
+    try:
+        with stack.client() as client:
+            gen = client.generate(messages=CHAT, temperature=0.0, max_new_tokens=3, seed=0).wait()
+            client.generate("w9", session_id=gen.session_id, max_new_tokens=2).wait()
+    finally:
+        stack.stop()
+    chat_run, text_run = stack.drafters[0].runs
+    assert list(chat_run.eos_token_ids) == [tok.eos_token_id, tok.pad_token_id]
+    assert list(text_run.eos_token_ids) == [tok.eos_token_id]
 
 
 def test_grpc_chat_renders_the_template_and_continues(gw, tiny_tokenizer):
