@@ -63,6 +63,10 @@ class GatewayConfig(PeerTLSConfig, ServiceConfig):
     # Limits of the public port: the largest message (requests are text or token ids, replies small
     # deltas); max_concurrent_rpcs counts resumes too.
     max_message_bytes: int = 4 * 1024 * 1024
+    # The OpenAI-compatible HTTP API (gateway.http_api) on host:http_port: -1 = off, 0 = a free port. It
+    # serves the same engine with the same auth token, TLS, limits and metrics as the gRPC API.
+    http_port: int = -1
+    served_model_name: str = ""  # the model id it answers to ("" = the tokenizer folder's name)
 
     def checks(self) -> dict[str, bool]:
         return {
@@ -76,6 +80,7 @@ class GatewayConfig(PeerTLSConfig, ServiceConfig):
             "turn_lease_s": self.turn_lease_s > 0,
             "store_retry_s": self.store_retry_s > 0,
             "request_timeout_s": self.request_timeout_s >= 0,
+            "http_port": -1 <= self.http_port < 65536,
         }
 
     def __post_init__(self) -> None:

@@ -35,6 +35,7 @@ import grpc
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.chat import ChatTemplate
 from gateway.config import GatewayConfig, parse_services
 from gateway.store import (
     ServiceInfo,
@@ -402,6 +403,7 @@ class GatewayEngine:
         self.config, self.store, self.tokenizer = config, store, tokenizer
         self.vocab_size = len(tokenizer)
         self.eos_token_ids = [i for i in [tokenizer.eos_token_id] if i is not None]
+        self.chat = ChatTemplate(tokenizer)
         self.services = ServiceDirectory(store, config)
         self.channels = Channels(security.peer_security(config))
         self._turns: dict[str, _Turn] = {}
@@ -430,6 +432,12 @@ class GatewayEngine:
             ids = list(self.tokenizer.encode(request.text, add_special_tokens=False))
             if not ids:
                 raise RequestError("text: encodes to no tokens")
+        elif which == "messages":
+            messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+            try:
+                ids = self.chat.encode(messages, continuation=bool(request.session_id))
+            except ValueError as e:
+                raise RequestError(f"messages: {e}") from None
         else:
             ids = list(request.token_ids.ids)
             if not ids:
@@ -452,7 +460,7 @@ class GatewayEngine:
             except ValueError as e:
                 raise RequestError(f"session_id: {e}") from None
         elif not has_input:
-            raise RequestError("a new session needs an input (text or token_ids)")
+            raise RequestError("a new session needs an input (text, token_ids or messages)")
         if has_input and request.HasField("resume_from_position"):
             raise RequestError("resume_from_position: only on a resume (a session_id without input)")
 
@@ -493,6 +501,8 @@ class GatewayEngine:
             params = merge_params(default_params(self.config), msg_params)
             record = None
         validate_params(params, self.config)
+        chat = request.WhichOneof("input") == "messages"  # a chat turn also ends at the template's end of turn
+        params["eos_token_ids"] = self.chat.end_of_turn_ids if chat else self.eos_token_ids
         if params.get("seed") is None:
             params["seed"] = secrets.randbits(63)
         committed_before = 0 if record is None else record.committed_length
@@ -665,7 +675,7 @@ class GatewayEngine:
             committed_token_ids=committed,
             params=params_to_proto(turn.params),
             max_new_tokens=remaining,
-            eos_token_ids=self.eos_token_ids,
+            eos_token_ids=turn.params.get("eos_token_ids", self.eos_token_ids),
             verifier_address=turn.verifier.address,
             verifier_id=turn.verifier.service_id,
         )

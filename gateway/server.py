@@ -1,6 +1,7 @@
 """Bootstrap of the gateway: config -> store, tokenizer, engine -> a grpc.aio server.
 
-    server, port, engine = await create_server(config)   # port 0 picks one (tests)
+    server, port, handle = await create_server(config)   # port 0 picks one (tests)
+    handle.http.base_url                                  # the OpenAI-compatible HTTP API (http_port >= 0)
     python -m gateway --tokenizer DIR --redis-url redis://127.0.0.1:6379/0 \\
         --drafters d0=127.0.0.1:7002 --verifiers v0=127.0.0.1:7001
 """
@@ -19,6 +20,7 @@ import grpc
 
 from gateway.config import GatewayConfig
 from gateway.engine import GatewayEngine
+from gateway.http_api import HttpApiServer, start_http_api
 from gateway.servicer import GatewayServicer
 from gateway.store import MemorySessionStore, RedisSessionStore, SessionStore
 from rsd_runtime.metrics import GatewayMetrics
@@ -34,11 +36,18 @@ class GatewayHandle:
     servicer: GatewayServicer
     health: Any  # grpc_health.v1.health.aio.HealthServicer
     metrics: GatewayMetrics
+    http: HttpApiServer | None = None  # the OpenAI-compatible HTTP API, when config.http_port >= 0
+
+    async def drain(self, grace_s: float) -> None:
+        """Let running turns finish for grace_s (then cancel them), stop the HTTP API."""
+        await self.engine.drain(grace_s)
+        if self.http is not None:
+            await self.http.stop(grace_s)
 
     async def close(self, server: grpc.aio.Server, grace_s: float = 1.0) -> None:
-        """Report NOT_SERVING, let running turns finish for grace_s, stop the server and the engine."""
+        """Report NOT_SERVING, let running turns finish for grace_s, stop the servers and the engine."""
         await self.health.enter_graceful_shutdown()
-        await self.engine.drain(grace_s)
+        await self.drain(grace_s)
         await server.stop(grace_s)
         await self.engine.close()
         self.metrics.close()
@@ -71,7 +80,15 @@ async def create_server(
     server, port, health = await start_service(
         config, (gateway_pb2_grpc.add_GatewayServicer_to_server, servicer), "rsd.v1.Gateway", metrics, "auth_token"
     )
-    return server, port, GatewayHandle(engine, servicer, health, metrics)
+    handle = GatewayHandle(engine, servicer, health, metrics)
+    if config.http_port >= 0:
+        try:
+            handle.http = await start_http_api(config, engine, metrics)
+        except BaseException:
+            await server.stop(0)
+            metrics.close()
+            raise
+    return server, port, handle
 
 
 async def serve(config: GatewayConfig) -> None:
@@ -79,7 +96,12 @@ async def serve(config: GatewayConfig) -> None:
     store = "redis " + config.redis_url if config.redis_url else "embedded store"
     log.info("gateway %s serving on %s:%d (%s)", config.gateway_id, config.host, port, store)
     print(f"gateway listening on {config.host}:{port}", flush=True)
-    await serve_until_signal(server, handle.health, grace_s=config.drain_s, on_drain=handle.servicer.drain)
+    if handle.http is not None:
+        log.info("OpenAI-compatible HTTP API at %s (model %s)", handle.http.base_url, handle.http.api.model_name)
+        print(f"gateway HTTP API at {handle.http.base_url}", flush=True)
+    await serve_until_signal(
+        server, handle.health, grace_s=config.drain_s, on_drain=lambda: handle.drain(config.drain_s)
+    )
     await handle.engine.close()
     handle.metrics.close()
 

@@ -6,6 +6,7 @@
             print(delta.text, end="", flush=True)
         print(gen.finished.reason, gen.session_id)
         more = client.generate(" # and now tests", session_id=gen.session_id)   # next turn, same session
+        chat = client.generate(messages=[("user", "Write fib in Python")])       # the target's chat template
         client.get_session(gen.session_id).kv_location
 
 Errors come as grpc.RpcError with the gateway's status code and reason. A gateway with TLS and a token:
@@ -84,6 +85,7 @@ class RsdClient:
         prompt: str | None = None,
         *,
         token_ids: Sequence[int] | None = None,
+        messages: Sequence[tuple[str, str]] | None = None,
         session_id: str = "",
         method: str | None = None,
         shape: str | None = None,
@@ -97,14 +99,17 @@ class RsdClient:
         request_id: str = "",
     ) -> Generation:
         """Start (no session_id), continue (session_id and input) or resume (session_id, no input).
+        The input: prompt (text), token_ids, or messages as (role, content) pairs (chat template).
         Parameters left None take the gateway's defaults (new session) or the session's (continuation)."""
         request = gateway_pb2.GenerateRequest(session_id=session_id, request_id=request_id)
-        if prompt is not None and token_ids is not None:
-            raise ValueError("give prompt or token_ids, not both")
+        if sum(x is not None for x in (prompt, token_ids, messages)) > 1:
+            raise ValueError("give one of prompt, token_ids and messages")
         if prompt is not None:
             request.text = prompt
         elif token_ids is not None:
             request.token_ids.ids.extend(token_ids)
+        elif messages is not None:
+            request.messages.messages.extend(gateway_pb2.ChatMessage(role=r, content=c) for r, c in messages)
         if resume_from_position is not None:
             request.resume_from_position = resume_from_position
         params = build_params(method, shape, temperature, top_k, top_p, max_new_tokens, stop, seed)

@@ -8,7 +8,7 @@ Processes, each `python -m <service>` with its log in the run directory:
     redis-server   on a free port, no persistence   (only when `redis-server` is on PATH)
     verifier       the target model                 (--verifier-id verifier-0)
     drafter        the draft model                  (--drafter-id drafter-0)
-    gateway        the target's tokenizer           (the public API)
+    gateway        the target's tokenizer           (the public API: gRPC, and OpenAI-compatible HTTP)
 With Redis the services register themselves and the gateway finds them in the registry; without
 it the gateway keeps sessions in its embedded store and is given the services' addresses.
 Stop: SIGTERM in reverse start order, then SIGKILL after --stop-timeout-s.
@@ -65,6 +65,7 @@ class Cluster:
     processes: list[Process] = field(default_factory=list)
     redis_url: str = ""
     gateway_address: str = ""
+    http_url: str = ""  # the gateway's OpenAI-compatible API, http://host:port/v1
 
     def spawn(self, name: str, cmd: list[str], env: dict[str, str], address: str = "") -> Process:
         log_path = self.run_dir / f"{name}.log"
@@ -159,7 +160,7 @@ def start_cluster(args: argparse.Namespace) -> Cluster:
                     raise RuntimeError(f"redis-server did not start:\n{cluster.processes[-1].log_tail()}")
                 time.sleep(0.05)
             registry = ["--redis-url", cluster.redis_url]
-        v_port, d_port, g_port = free_port(), free_port(), free_port()
+        v_port, d_port, g_port, h_port = free_port(), free_port(), free_port(), free_port()
         service = [py, "-m"]
         registry_v, registry_d = [*registry, "--verifier-id", "verifier-0"], [*registry, "--drafter-id", "drafter-0"]
         verifier = cluster.spawn(
@@ -185,13 +186,15 @@ def start_cluster(args: argparse.Namespace) -> Cluster:
         )
         static = [] if registry else ["--drafters", f"drafter-0={drafter.address}"]
         static += [] if registry else ["--verifiers", f"verifier-0={verifier.address}"]
+        http = ["--http-port", str(h_port), "--served-model-name", "rsd-tiny" if args.tiny else target_dir.name]
         gateway = cluster.spawn(
             "gateway",
-            [*service, "gateway", "--port", str(g_port), "--tokenizer", str(target_dir), *registry, *static],
+            [*service, "gateway", "--port", str(g_port), "--tokenizer", str(target_dir), *registry, *static, *http],
             env,
             f"127.0.0.1:{g_port}",
         )
         cluster.gateway_address = gateway.address
+        cluster.http_url = f"http://127.0.0.1:{h_port}/v1"
 
         async def all_ready() -> None:
             await asyncio.gather(*(_wait_ready(p, args.start_timeout_s) for p in (verifier, drafter, gateway)))
@@ -282,8 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     cluster = start_cluster(args)
     store = f"redis {cluster.redis_url}" if cluster.redis_url else "embedded store"
     print(
-        f"[cluster] up in {time.monotonic() - t0:.1f} s: gateway {cluster.gateway_address}, {store}; "
-        f"logs in {cluster.run_dir}",
+        f"[cluster] up in {time.monotonic() - t0:.1f} s: gateway {cluster.gateway_address} "
+        f"(OpenAI-compatible API {cluster.http_url}), {store}; logs in {cluster.run_dir}",
         file=sys.stderr,
     )
     try:
@@ -292,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.keep_running:
             print(f"[cluster] gateway at {cluster.gateway_address}; Ctrl-C stops the cluster", file=sys.stderr)
             print(f"  rsd generate --server {cluster.gateway_address} --prompt '...'", file=sys.stderr)
+            print(f"[cluster] OpenAI base URL: {cluster.http_url}", file=sys.stderr)
             stop = False
 
             def on_signal(signum, frame):

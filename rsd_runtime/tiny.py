@@ -4,11 +4,14 @@ The target is a seeded random model. The draft is the target cut to its first la
 embedding, final norm and head) with seeded noise on every weight, so the two next-token laws
 differ but are correlated, as for a real small/large pair. Both share one word-level tokenizer:
     ids 0..3: <pad> <eos> <bos> <unk>; id 4 + i: "w{i}"
-so "w0 w1" encodes to [4, 5] and any other word to <unk>.
+so "w0 w1" encodes to [4, 5] and any other word to <unk>. Its chat template (TINY_CHAT_TEMPLATE) writes
+each message as "<bos> ROLE CONTENT <eos>" (roles encode to <unk>) and the generation prompt as
+"<bos> assistant", so chat works on the tiny models too; <eos> ends a turn.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -29,6 +32,10 @@ from transformers import (
 SPECIAL_TOKENS = {"pad_token": "<pad>", "eos_token": "<eos>", "bos_token": "<bos>", "unk_token": "<unk>"}
 FAMILIES = {"llama": LlamaConfig, "qwen2": Qwen2Config}
 _DONE = "rsd_tiny_done"  # written last, inside the temporary folder that becomes the pair
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}<bos> {{ message['role'] }} {{ message['content'] }} <eos> {% endfor %}"
+    "{% if add_generation_prompt %}<bos> assistant {% endif %}"
+)
 
 
 def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
@@ -39,7 +46,18 @@ def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     words = specials + [f"w{i}" for i in range(vocab_size - len(specials))]
     tok = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token=SPECIAL_TOKENS["unk_token"]))
     tok.pre_tokenizer = WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=TINY_CHAT_TEMPLATE, **SPECIAL_TOKENS)
+
+
+def _add_chat_template(model_dir: Path) -> None:
+    """Give a pair built before the tiny tokenizer had a chat template one (written whole, then renamed)."""
+    path = model_dir / "chat_template.jinja"
+    config = model_dir / "tokenizer_config.json"
+    if path.is_file() or (config.is_file() and '"chat_template"' in config.read_text()):
+        return
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(TINY_CHAT_TEMPLATE)
+    tmp.replace(path)
 
 
 def tiny_config(family: str, vocab_size: int, hidden_size: int, num_layers: int) -> PretrainedConfig:
@@ -117,6 +135,8 @@ def build_tiny_pair(
     root = Path(out_dir) / name
     draft_dir, target_dir = root / "draft", root / "target"
     if (root / _DONE).is_file():
+        for model_dir in (draft_dir, target_dir):
+            _add_chat_template(model_dir)
         return draft_dir, target_dir
     if not 0 < draft_layers <= num_layers:
         raise ValueError(f"draft_layers must be in [1, {num_layers}], got {draft_layers}")

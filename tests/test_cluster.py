@@ -63,3 +63,15 @@ def test_cli_generate_with_server(cluster, capsys):
     bad = ["generate", "--server", started.gateway_address, "--prompt", "w7", "--method", "sd", "--shape", "x"]
     assert cli.main(bad) == 1
     assert "INVALID_ARGUMENT" in capsys.readouterr().err
+
+
+def test_openai_api_of_the_cluster(cluster):
+    import openai
+
+    started, _ = cluster
+    assert started.http_url.startswith("http://127.0.0.1:") and started.http_url.endswith("/v1")
+    client = openai.OpenAI(base_url=started.http_url, api_key="none", max_retries=0, timeout=60)
+    assert [m.id for m in client.models.list().data] == ["rsd-tiny"]
+    messages = [{"role": "user", "content": "w5 w6"}]
+    out = client.chat.completions.create(model="rsd-tiny", messages=messages, max_tokens=5, temperature=0)
+    assert out.choices[0].finish_reason in ("length", "stop") and 1 <= out.usage.completion_tokens <= 5

@@ -235,7 +235,8 @@ def test_ports_are_unique_bound_to_loopback_and_the_service_port(services):
             assert host_ip == "127.0.0.1", f"{name}: {port} is not bound to 127.0.0.1"
             assert int(host_port) not in seen, f"{name} and {seen.get(int(host_port))} both publish {host_port}"
             seen[int(host_port)] = name
-            assert container_port == _fields(service)["port"], f"{name}: {port} is not the service's port"
+            ports = {_fields(service)["port"], _fields(service).get("http_port")}  # gateway: gRPC and HTTP
+            assert container_port in ports, f"{name}: {port} is not the service's port"
     assert seen, "the gateway must be published"
 
 

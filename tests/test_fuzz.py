@@ -416,7 +416,7 @@ def test_fuzz_drafter_run_of_another_session(servers, victim, data):
 @FUZZ
 @given(
     sid=st.sampled_from(["", "", "", "fz0", "a b", "x" * 129]),
-    kind=st.sampled_from(["text", "ids", "long_ids", "long_text", "none"]),
+    kind=st.sampled_from(["text", "ids", "long_ids", "long_text", "messages", "none"]),
     data=st.data(),
     params=gen_params(),
     resume=st.one_of(st.none(), st.none(), st.integers(0, 2**64 - 1)),
@@ -432,6 +432,12 @@ def test_fuzz_generate(servers, sid, kind, data, params, resume, request_id):
         request.token_ids.ids.extend([5] * data.draw(st.sampled_from([65, 10_000])))
     elif kind == "long_text":
         request.text = "w5 " * data.draw(st.sampled_from([65, 20_000]))
+    elif kind == "messages":  # empty lists and roles, over-long roles, template syntax as content
+        role = st.sampled_from(["user", "system", "assistant", ""]) | st.text(max_size=70)
+        content = st.text(max_size=40) | st.just("w5 {{ 7 * 7 }} {% endfor %}")
+        request.messages.SetInParent()
+        for r, c in data.draw(st.lists(st.tuples(role, content), max_size=4)):
+            request.messages.messages.add(role=r, content=c)
     if params is not None:
         request.params.CopyFrom(params)
     if resume is not None:

@@ -575,24 +575,30 @@ real_services = pytest.mark.skipif(bool(_MISSING), reason=f"not built yet: {', '
 REAL_METHODS = [("sd", "4"), ("specinfer", "2,2,1"), ("spectr", "3x3"), ("rsd_c", "2,2,1"), ("rsd_s", "3x4")]
 
 
-@pytest.fixture(scope="module")
-def real_stack(loop, pair, tiny_tokenizer, redis_url):
-    """Verifier and drafter servers that register in Redis; the gateway finds them in the registry."""
+async def start_registered_services(pair, registry: dict) -> list:
+    """A verifier (v0) and a drafter (d0) on loopback that register in Redis (registry: redis_url and
+    redis_namespace); returns their (handle, server) pairs, to close with `handle.close(server, 0)`."""
     from drafter_service.config import DrafterConfig
     from drafter_service.server import create_server as create_drafter
     from verifier_service.config import VerifierConfig
     from verifier_service.server import create_server as create_verifier
 
     draft_model, target_model, _ = pair
+    vserver, _, vhandle = await create_verifier(VerifierConfig(verifier_id="v0", **registry), target_model)
+    dserver, _, dhandle = await create_drafter(DrafterConfig(drafter_id="d0", **registry), draft_model)
+    return [(dhandle, dserver), (vhandle, vserver)]
+
+
+@pytest.fixture(scope="module")
+def real_stack(loop, pair, tiny_tokenizer, redis_url):
+    """Verifier and drafter servers that register in Redis; the gateway finds them in the registry."""
     namespace = f"rsd-test-real-{time.monotonic_ns()}"
     registry = {"redis_url": redis_url, "redis_namespace": namespace}
     stack = Stack(loop)
     closers = []
 
     async def start():
-        vserver, _, vhandle = await create_verifier(VerifierConfig(verifier_id="v0", **registry), target_model)
-        dserver, _, dhandle = await create_drafter(DrafterConfig(drafter_id="d0", **registry), draft_model)
-        closers.extend([(dhandle, dserver), (vhandle, vserver)])
+        closers.extend(await start_registered_services(pair, registry))
         cfg = GatewayConfig(port=0, **registry)  # no static lists: the registry
         store = RedisSessionStore.from_url(redis_url, namespace=namespace)
         gserver, gport, ghandle = await create_server(cfg, store=store, tokenizer=tiny_tokenizer)

@@ -1,0 +1,401 @@
+"""The gateway's OpenAI-compatible HTTP API: FastAPI on uvicorn, inside the gateway's event loop.
+
+    http = await start_http_api(config, engine, metrics)   # config.http_port: -1 off, 0 a free port
+    http.base_url                                          # http://127.0.0.1:PORT/v1
+    await http.stop(grace_s)
+
+    GET  /v1/models               the one model (served_model_name, else the tokenizer folder's name)
+    POST /v1/completions          prompt -> text             } stream: server-sent events, one chunk per
+    POST /v1/chat/completions     messages -> chat template  } committed step, then `data: [DONE]`
+
+Each request becomes a GenerateRequest for the GatewayEngine the gRPC servicer serves (no hop through the
+gRPC port), so both APIs share sessions, params validation, the auth token (`Authorization: Bearer`),
+limits (max_running_turns, max_concurrent_rpcs: calls at once, max_message_bytes: body size), metrics
+(rsd_gateway_requests_total{method="/v1/..."} and the Generate stream metrics) and request ids
+(X-Request-Id, else a new one; echoed back, in the reply id and in the logs). Bodies and what is
+supported: gateway.openai_schema.
+
+Errors use OpenAI's shape {"error": {"message", "type", "param", "code"}}: 400 bad input, 401 no or bad
+token, 404 unknown model or session, 409 the session is already generating, 413 body too large, 429 no
+capacity, 503/504 the services are away / the turn ran out of time, 500 anything else (logged once with
+the request id). An error after a stream began comes as one `data: {"error": ...}` event before [DONE].
+
+A client that disconnects cancels its turn (a stream: Starlette cancels the response, _EventStream's
+on_close cancels the turn; a waiting request: a task watches for the disconnect). What the turn
+committed stays in the session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import ssl
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import grpc
+import pydantic
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from gateway.config import GatewayConfig
+from gateway.engine import GatewayEngine
+from gateway.openai_schema import (
+    FINISH_REASONS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Reply,
+    error_body,
+    model_list,
+    usage,
+)
+from gateway.servicer import status_of
+from rsd_runtime.metrics import GatewayMetrics
+from rsd_runtime.security import TokenInterceptor, read_secret
+from rsd_runtime.serving import log_context
+from rsd_wire import gateway_pb2
+
+log = logging.getLogger("rsd.gateway")
+
+_HTTP_STATUS = {  # gRPC status -> (HTTP status, OpenAI error type)
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (409, "conflict_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
+}
+_INTERNAL = (500, "internal_error")
+_GENERATE = "/rsd.v1.Gateway/Generate"  # the gRPC method whose stream metrics the HTTP calls feed too
+_MAX_REQUEST_ID = 128
+
+
+class ApiError(Exception):
+    """An answer other than 200: a gRPC status (mapped by _HTTP_STATUS) or an explicit HTTP status."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, *, http_status: int = 0, param: str | None = None):
+        super().__init__(message)
+        self.code, self.http_status, self.param = code, http_status, param
+        self.error_code: str | None = None
+
+    def body(self) -> dict[str, Any]:
+        kind = _HTTP_STATUS.get(self.code, _INTERNAL)[1]
+        return error_body(str(self), kind, self.error_code, self.param)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.http_status or _HTTP_STATUS.get(self.code, _INTERNAL)[0])
+
+
+def api_error(error: BaseException, request_id: str) -> ApiError:
+    """The ApiError for an engine (or our own) error; an unexpected one is logged once and becomes 500."""
+    if isinstance(error, ApiError):
+        return error
+    mapped = status_of(error)
+    if mapped is None:
+        log.error("request %s failed", request_id, exc_info=error)
+        return ApiError(grpc.StatusCode.INTERNAL, f"internal error (request {request_id})")
+    return ApiError(*mapped)
+
+
+@dataclass
+class _Call:
+    """One HTTP call in flight: counted against max_concurrent_rpcs, in the metrics and the log context."""
+
+    api: HttpApi
+    path: str
+    request_id: str
+    t0: float
+    token: Any
+    code: str = "OK"
+    done: bool = False
+
+    def finish(self, error: BaseException | None = None) -> None:
+        if self.done:
+            return
+        self.done = True
+        if error is not None:
+            self.code = error.code.name if isinstance(error, ApiError) else "CANCELLED"
+        self.api.in_flight -= 1
+        self.api.metrics.requests.labels(self.path, self.code).inc()
+        self.api.metrics.request_seconds.labels(self.path).observe(time.perf_counter() - self.t0)
+        with contextlib.suppress(ValueError):  # reset from another context (a stream's task): nothing to undo
+            log_context.reset(self.token)
+
+
+class HttpApi:
+    """The endpoints over one GatewayEngine."""
+
+    def __init__(self, config: GatewayConfig, engine: GatewayEngine, metrics: GatewayMetrics):
+        self.config, self.engine, self.metrics = config, engine, metrics
+        self.model_name = config.served_model_name or Path(config.tokenizer).name or "rsd"
+        token = read_secret(config.auth_token, config.auth_token_file, "auth_token")
+        self._token = TokenInterceptor(token) if token else None
+        self.in_flight = 0
+        self.created = int(time.time())
+        self.app = FastAPI(title="rsd gateway (OpenAI-compatible)", docs_url=None, redoc_url=None)
+        self.app.add_api_route("/v1/models", self.models, methods=["GET"])
+        self.app.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        self.app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+
+    # -- admission -----------------------------------------------------------------------------
+
+    def _begin(self, request: Request, path: str) -> _Call:
+        request_id = request.headers.get("x-request-id", "")
+        if not request_id or len(request_id) > _MAX_REQUEST_ID or not request_id.isprintable():
+            request_id = uuid.uuid4().hex
+        token = log_context.set((("method", path), ("request_id", request_id)))
+        self.in_flight += 1
+        return _Call(self, path, request_id, time.perf_counter(), token)
+
+    def _admit(self, request: Request, call: _Call) -> None:
+        if self._token is not None:
+            reason = self._token.check([("authorization", request.headers.get("authorization", ""))])
+            if reason:
+                log.warning("refused %s: %s", call.path, reason)
+                error = ApiError(grpc.StatusCode.UNAUTHENTICATED, reason.replace("metadata", "header"))
+                error.error_code = "invalid_api_key"
+                raise error
+        limit = self.config.max_concurrent_rpcs
+        if limit and self.in_flight > limit:
+            raise ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"more than max_concurrent_rpcs={limit} calls at once")
+
+    async def _body(self, request: Request, model: type[pydantic.BaseModel]) -> Any:
+        raw = await request.body()
+        if len(raw) > self.config.max_message_bytes:
+            limit = self.config.max_message_bytes
+            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"body over {limit} bytes", http_status=413)
+        try:
+            body = model.model_validate_json(raw)
+        except pydantic.ValidationError as e:
+            first = e.errors()[0]
+            param = ".".join(str(x) for x in first["loc"]) or None
+            message = first["msg"].removeprefix("Value error, ")
+            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"{param}: {message}", param=param) from None
+        if body.model != self.model_name:
+            error = ApiError(
+                grpc.StatusCode.NOT_FOUND, f"model {body.model!r} is not served here (this is {self.model_name!r})"
+            )
+            error.error_code, error.param = "model_not_found", "model"
+            raise error
+        return body
+
+    # -- endpoints -----------------------------------------------------------------------------
+
+    async def models(self, request: Request) -> JSONResponse:
+        call = self._begin(request, "/v1/models")
+        try:
+            self._admit(request, call)
+            response = JSONResponse(model_list(self.model_name, self.created))
+        except Exception as e:
+            error = api_error(e, call.request_id)
+            call.finish(error)
+            return _with_id(error.response(), call)
+        call.finish()
+        return _with_id(response, call)
+
+    async def completions(self, request: Request):
+        return await self._generate(request, "/v1/completions", CompletionRequest)
+
+    async def chat_completions(self, request: Request):
+        return await self._generate(request, "/v1/chat/completions", ChatCompletionRequest)
+
+    async def _generate(self, request: Request, path: str, model: type[pydantic.BaseModel]):
+        call = self._begin(request, path)
+        events: AsyncIterator[gateway_pb2.GenerateEvent] | None = None
+        observe: Any = None
+        first = None
+        try:
+            self._admit(request, call)
+            body = await self._body(request, model)
+            events = self.engine.generate(body.to_generate_request(call.request_id))
+            observe = self.metrics.observer(_GENERATE)  # the Generate stream metrics, as for a gRPC call
+            first = await anext(events)  # the turn started (or the request was refused: raised here)
+            observe(first)
+            reply = Reply(model is ChatCompletionRequest, call.request_id, self.model_name, first.session_id)
+            reply.include_usage = body.include_usage
+            if body.stream:
+                return _with_id(self._stream_response(call, events, observe, first.started, reply), call)
+            response = await self._whole(request, call, events, observe, first.started, reply)
+        except Exception as e:
+            error = api_error(e, call.request_id)
+            call.finish(error)
+            if events is not None:
+                await events.aclose()
+            if observe is not None and first is None:  # after the first event _collect or _stream ends it
+                observe.end()
+            return _with_id(error.response(), call)
+        call.finish()
+        return _with_id(response, call)
+
+    async def _whole(self, request, call, events, observe, started, reply) -> JSONResponse:
+        """Wait for the turn's end, or for the client to leave (then cancel the turn)."""
+        collect = asyncio.create_task(_collect(events, observe))
+        gone = asyncio.create_task(_disconnected(request))
+        try:
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not collect.done():
+                collect.cancel()
+                await self._cancel_turn(reply.session_id)
+        if not collect.done() or collect.cancelled():
+            raise ApiError(grpc.StatusCode.CANCELLED, "the client disconnected")  # nobody reads this answer
+        text, finished = collect.result()
+        return JSONResponse(reply.whole(text, FINISH_REASONS[finished.reason], usage(started, finished)))
+
+    async def _stream(self, call, events, observe, started, reply) -> AsyncIterator[str]:
+        """The SSE body: a first chunk, one per delta with text, the finish, [usage], [DONE]."""
+        try:
+            yield _sse(reply.chunk("", first=True))
+            async for event in events:
+                observe(event)
+                kind = event.WhichOneof("event")
+                if kind == "delta" and event.delta.text:
+                    yield _sse(reply.chunk(event.delta.text))
+                elif kind == "finished":
+                    call.finish()  # the turn is over: a client leaving now cancels nothing
+                    yield _sse(reply.chunk("", FINISH_REASONS[event.finished.reason]))
+                    if reply.include_usage:
+                        yield _sse(reply.usage_chunk(usage(started, event.finished)))
+                    yield "data: [DONE]\n\n"
+                    return
+            raise ApiError(grpc.StatusCode.INTERNAL, "the turn ended without a finish event")
+        except Exception as e:
+            error = api_error(e, call.request_id)
+            call.finish(error)
+            yield _sse(error.body())
+            yield "data: [DONE]\n\n"
+
+    def _stream_response(self, call, events, observe, started, reply) -> StreamingResponse:
+        async def on_close() -> None:
+            if not call.done:  # the client left before the turn ended
+                await self._cancel_turn(reply.session_id)
+                call.finish(asyncio.CancelledError())
+            await events.aclose()
+            observe.end()
+
+        return _EventStream(self._stream(call, events, observe, started, reply), on_close)
+
+    async def _cancel_turn(self, session_id: str) -> None:
+        try:
+            await self.engine.cancel(session_id)
+            log.info("session %s: the HTTP client left; its turn is cancelled", session_id)
+        except Exception as e:
+            log.warning("session %s: cancel after a disconnect failed: %s", session_id, e)
+
+
+async def _collect(
+    events: AsyncIterator[gateway_pb2.GenerateEvent], observe: Callable[[Any], None]
+) -> tuple[str, gateway_pb2.GenerationFinished]:
+    texts = []
+    try:
+        async for event in events:
+            observe(event)
+            kind = event.WhichOneof("event")
+            if kind == "delta":
+                texts.append(event.delta.text)
+            elif kind == "finished":
+                return "".join(texts), event.finished
+        raise ApiError(grpc.StatusCode.INTERNAL, "the turn ended without a finish event")
+    finally:
+        observe.end()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone (the body was read already: the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that run `on_close` however the response ends: streamed whole, or cancelled when
+    the client disconnects (Starlette cancels it), even before its body started or while it was sending."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], Any]):
+        super().__init__(content, media_type="text/event-stream")
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+                await self.on_close()
+
+
+def _sse(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+def _with_id(response, call: _Call):
+    response.headers["x-request-id"] = call.request_id
+    return response
+
+
+# ---------------------------------------------------------------------------------------------
+# The server
+
+
+class _Server(uvicorn.Server):
+    """uvicorn inside the gateway's loop: the gateway handles SIGTERM (serve_until_signal), not uvicorn."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+@dataclass
+class HttpApiServer:
+    api: HttpApi
+    server: _Server
+    task: asyncio.Task
+    host: str
+    port: int
+
+    @property
+    def base_url(self) -> str:
+        scheme = "https" if self.server.config.ssl_certfile else "http"
+        return f"{scheme}://{self.host}:{self.port}/v1"
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        """Stop accepting, let open requests finish for grace_s, then close them."""
+        self.server.config.timeout_graceful_shutdown = max(int(grace_s), 1)
+        self.server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+
+
+async def start_http_api(config: GatewayConfig, engine: GatewayEngine, metrics: GatewayMetrics) -> HttpApiServer:
+    """Serve the HTTP API on config.host:config.http_port (0: a free port) with the config's TLS / mTLS."""
+    api = HttpApi(config, engine, metrics)
+    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+    sock = socket.create_server((config.host, config.http_port), family=family)
+    tls = {}
+    if config.tls_cert:
+        tls = {"ssl_certfile": config.tls_cert, "ssl_keyfile": config.tls_key}
+        if config.tls_ca:
+            tls.update(ssl_ca_certs=config.tls_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    uv_config = uvicorn.Config(
+        api.app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=1, **tls
+    )
+    server = _Server(uv_config)
+    task = asyncio.create_task(server.serve(sockets=[sock]), name="http-api")
+    while not server.started:
+        if task.done():
+            sock.close()
+            task.result()  # raises what stopped it
+            raise OSError(f"the HTTP API did not start on {config.host}:{config.http_port}")
+        await asyncio.sleep(0.01)
+    host = config.host if family == socket.AF_INET else f"[{config.host}]"
+    return HttpApiServer(api, server, task, host, sock.getsockname()[1])
