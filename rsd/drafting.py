@@ -119,6 +119,8 @@ def draft_tree(
             child_ids = sample(probs.unsqueeze(1).expand(-1, k, -1), generator)  # [F, k]
             valid_mask = torch.ones_like(child_ids, dtype=torch.bool)  # [F, k]
         elif mode is DraftMode.WITHOUT_REPLACEMENT:
+            # DEVIATION: the paper's branching is constant; past a law's support no distinct token is
+            # left, so the node keeps fewer children (Sequoia drafts uniformly there instead).
             child_ids, valid_mask = gumbel_top_k(probs, min(k, probs.shape[-1]), generator)  # [F, k]
         else:
             top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)  # [F, k]
