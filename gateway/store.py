@@ -34,7 +34,7 @@ import re
 import struct
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from enum import StrEnum
 from typing import Any, Protocol
@@ -444,17 +444,19 @@ class RedisSessionStore:
 class _Session:
     record: SessionRecord
     params_json: str
-    expires_at: float  # time.monotonic()
+    expires_at: float  # on the store's clock
 
 
 class MemorySessionStore:
     """SessionStore in this process's memory, same semantics as RedisSessionStore (TTLs included).
     For a single-process run only: nothing is shared or survives the process."""
 
-    def __init__(self, session_ttl_s: float = 24 * 3600.0):
+    def __init__(self, session_ttl_s: float = 24 * 3600.0, clock: Callable[[], float] = time.monotonic):
+        """clock: seconds on a monotonic clock, for the TTLs (tests pass a fake one)."""
         if session_ttl_s <= 0:
             raise ValueError(f"session_ttl_s must be > 0, got {session_ttl_s}")
         self.session_ttl_s = session_ttl_s
+        self._clock = clock
         self._sessions: dict[str, _Session] = {}
         self._services: dict[str, dict[str, tuple[ServiceInfo, float]]] = {}  # role -> id -> (info, expires_at)
         self._lock = threading.Lock()
@@ -463,7 +465,7 @@ class MemorySessionStore:
         """The live session (lock held), expired ones dropped."""
         _check_id("session_id", session_id)
         entry = self._sessions.get(session_id)
-        if entry is not None and entry.expires_at <= time.monotonic():
+        if entry is not None and entry.expires_at <= self._clock():
             del self._sessions[session_id]
             entry = None
         if entry is None:
@@ -472,7 +474,7 @@ class MemorySessionStore:
 
     def _write(self, entry: _Session, **changes: Any) -> None:
         entry.record = replace(entry.record, updated_unix_ms=_now_ms(), **changes)
-        entry.expires_at = time.monotonic() + self.session_ttl_s
+        entry.expires_at = self._clock() + self.session_ttl_s
 
     def _conflict(self, entry: _Session, reason: str) -> SessionConflict:
         record = entry.record
@@ -501,7 +503,7 @@ class MemorySessionStore:
                 now,
                 now,
             )
-            self._sessions[session_id] = _Session(record, params_json, time.monotonic() + self.session_ttl_s)
+            self._sessions[session_id] = _Session(record, params_json, self._clock() + self.session_ttl_s)
             return record
 
     def get_session(self, session_id: str) -> SessionRecord:
@@ -590,11 +592,11 @@ class MemorySessionStore:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
         with self._lock:
-            self._services.setdefault(info.role, {})[info.service_id] = (info, time.monotonic() + ttl_s)
+            self._services.setdefault(info.role, {})[info.service_id] = (info, self._clock() + ttl_s)
 
     def list_services(self, role: str) -> list[ServiceInfo]:
         _check_id("role", role)
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             live = {sid: entry for sid, entry in self._services.get(role, {}).items() if entry[1] > now}
             self._services[role] = live

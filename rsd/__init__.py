@@ -3,14 +3,23 @@
 Plain torch, no I/O: trees, sampling transforms, drafting strategies, acceptance rules.
 Services and model runners live elsewhere and call in here.
 
-Shape letters, used everywhere in this package:
+Shape letters, used everywhere in this package (and in `# [N, V]` comments on the line that makes
+a tensor):
     B  requests in a batch
     N  draft-tree nodes; node 0 is the last committed token (the root), the rest are drafts
     L  tree depth (longest root-to-leaf path, in draft tokens)
     K  branching: number of children of one node
     W  beam width (RSD-S)
+    F  frontier: the nodes one drafting level expands at once
     T  committed prefix length
     V  vocabulary size
+
+Names: `_ids` token ids, `_idx` node or row indices, `_probs` laws (rows sum to 1), `_mask` bool
+(True = allowed / kept), `num_` counts. Inside rsd.acceptance the paper's letters: q the target's
+law, p the draft's.
+
+Randomness: every function that draws takes an explicit torch.Generator (rsd.sampling.
+require_generator refuses None); nothing here touches torch's global RNG.
 
 Glossary:
     target  the large model whose distribution the output must follow exactly.

@@ -2,22 +2,40 @@
 one correction or bonus token.
 
 Letters follow the paper (Jeon et al., 2024) and Chen et al. (2023): q is the target's law and p the
-draft's law, both after the same sampling transforms (rsd.sampling). Elsewhere in the code base
-they are called target_probs and draft_probs.
+draft's law, both [V] and after the same sampling transforms (rsd.sampling). Elsewhere in the code
+base they are called target_probs and draft_probs.
 
 A rule is judged node by node. At a node whose children x_1..x_K are stored in sampling order, a
 node law returns
     accept_probs [K]  a_k = P(accept x_k | x_1..x_{k-1} were rejected)
     residual     [V]  the law of the correction token if all K are rejected
-The walk accepts the first x_k with u_k < a_k (u_k ~ U(0,1), fresh) and descends into it; with no
-children it emits a bonus token from q at the node. `step_law` computes the exact law of what one
-step emits from the same node laws, for the enumeration proofs in tests/.
+The walk (`verify`) accepts the first x_k with u_k < a_k (u_k ~ U(0,1), fresh) and descends into
+it; at a node without children it emits a bonus token from q there. `step_law` computes the exact
+law of what one step emits from the same node laws, for the enumeration proofs in tests/.
 
     rule                    drafts it is exact for                     paper
     rrs                     siblings drawn WITHOUT replacement         RSD (recursive rejection sampling)
     rrs_with_replacement    siblings drawn i.i.d.                      SpecInfer (multi-round), SD when K=1
-    kseq                    i.i.d. siblings, chains merged by prefix   SpecTr K-SEQ
+    kseq                    i.i.d. siblings, chains merged by prefix   SpecTr K-SEQ, in rsd.spectr
     greedy                  anything, temperature 0                    greedy matching
+
+One RRS node, worked (tests/test_exact.py checks these numbers). V = 4, children x_1 = 1, x_2 = 2:
+    q        = [0.25, 0.25, 0.25, 0.25]    target
+    p = p_1  = [0.15, 0.50, 0.20, 0.15]    draft; x_1 was drawn from p_1
+    k = 1    a_1 = min(1, q(1) / p_1(1)) = 0.25 / 0.50 = 0.5
+             q_2 = norm(max(q - p_1, 0)) = norm([0.10, 0, 0.05, 0.10]) = [0.4, 0, 0.2, 0.4]
+             p_2 = p_1 without x_1, renormalised = [0.15, 0, 0.20, 0.15] / 0.5 = [0.3, 0, 0.4, 0.3]
+    k = 2    a_2 = min(1, q_2(2) / p_2(2)) = 0.2 / 0.4 = 0.5
+             q_3 = norm(max(q_2 - p_2, 0)) = norm([0.1, 0, 0, 0.1]) = [0.5, 0, 0, 0.5]    the residual
+With these drafts the step accepts 1 with probability 0.5, 2 with 0.5 * 0.5 = 0.25, and otherwise
+emits a correction token from q_3: 0 or 3, 0.125 each. Over the draws of the drafts every token
+comes out with probability q: P(x_1 = y and accepted) = p(y) min(1, q(y) / p(y)) = min(p(y), q(y)),
+and after a rejection what remains is RRS again, on q_2 and p_2 (shared/algorithm.md 1.3).
+
+The proof assumes, and the walk checks at every node it visits (ValueError naming the node):
+q and p are laws (finite, non-negative, positive mass), and every child x has p(x) > 0. Unchecked,
+a child outside p's support would be accepted with certainty: min(1, q(x) / 0) is 1, and so is
+min(1, 0 / 0) in Python. Deviations from the paper are marked DEVIATION where they are made.
 """
 
 from __future__ import annotations
@@ -28,16 +46,21 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rsd.sampling import sample
+from rsd.sampling import check_probs, require_generator, sample
+from rsd.spectr import kseq, merged_children
 from rsd.tree import DraftTree, path_to
 
-NodeLaw = Callable[[Tensor, Tensor, Tensor], tuple[list[float], Tensor]]
+NodeLaw = Callable[[Tensor, Tensor, Tensor], tuple[list[float], Tensor]]  # (q, p, child_ids) -> (a, residual)
+ChildrenOf = Callable[[DraftTree, int], Tensor]  # (tree, node) -> child_idx [K]
 
 
 def _residual(q: Tensor, p: Tensor) -> Tensor:
-    """norm(max(q - p, 0)) [V]. A zero residual means rejection had probability 0, so any law
-    will do; q keeps later arithmetic finite."""
-    r = (q - p).clamp_min(0)
+    """norm(max(q - p, 0)) [V].
+
+    DEVIATION: the paper divides by Z = sum max(q - p, 0) unguarded. Z = 0 means q <= p everywhere,
+    so rejection had probability 0 and any law will do; returning q keeps later arithmetic finite.
+    """
+    r = (q - p).clamp_min(0)  # [V]
     z = r.sum()
     return r / z if z > 0 else q
 
@@ -50,78 +73,52 @@ def rrs(q: Tensor, p: Tensor, child_ids: Tensor) -> tuple[list[float], Tensor]:
     """
     if torch.unique(child_ids).numel() != child_ids.numel():
         raise ValueError(f"children drawn without replacement must be distinct, got {child_ids.tolist()}")
-    accept, p_k = [], p
+    accept_probs, p_k = [], p  # p_1 = p; q is q_k as the loop goes
     for k, x in enumerate(child_ids.tolist()):
-        accept.append(min(1.0, float(q[x] / p_k[x])))
-        q = _residual(q, p_k)
+        accept_probs.append(min(1.0, float(q[x] / p_k[x])))  # a_k
+        q = _residual(q, p_k)  # q_{k+1}
         if k + 1 < child_ids.numel():
             p_k = p_k.clone()
             p_k[x] = 0
-            p_k = p_k / p_k.sum()
-    return accept, q
+            p_k = p_k / p_k.sum()  # p_{k+1}
+    return accept_probs, q
 
 
 def rrs_with_replacement(q: Tensor, p: Tensor, child_ids: Tensor) -> tuple[list[float], Tensor]:
     """Multi-round speculative sampling (SpecInfer): every child was drawn i.i.d. from p."""
-    accept = []
+    accept_probs = []
     for x in child_ids.tolist():
-        accept.append(min(1.0, float(q[x] / p[x])))
+        accept_probs.append(min(1.0, float(q[x] / p[x])))
         q = _residual(q, p)
-    return accept, q
-
-
-def _kseq_gamma(q: Tensor, p: Tensor, k: int, iters: int = 40) -> float:
-    """Smallest gamma in [1, k] (to bisection precision, from above) with gamma >= c(gamma), where
-    c = (1 - (1 - beta)^k) / beta and beta = sum min(p, q / gamma). That keeps the residual >= 0."""
-
-    def feasible(gamma: float) -> bool:
-        beta = float(torch.minimum(p, q / gamma).sum())
-        c = k if beta <= 0 else (1 - (1 - beta) ** k) / beta
-        return gamma >= c
-
-    if feasible(1.0):
-        return 1.0
-    lo, hi = 1.0, float(k)
-    for _ in range(iters):
-        mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if feasible(mid) else (mid, hi)
-    return hi
-
-
-def kseq(q: Tensor, p: Tensor, child_ids: Tensor) -> tuple[list[float], Tensor]:
-    """SpecTr's K-SEQ (Sun et al., 2023): K i.i.d. drafts, each accepted with min(1, q/(gamma p)).
-
-    If no draft is accepted, sample from q - min(p, q/gamma) (1 - (1-beta)^K) / beta, normalised.
-    """
-    k = child_ids.numel()
-    gamma = _kseq_gamma(q, p, k)
-    m = torch.minimum(p, q / gamma)  # [V] P(a draft is x and accepted)
-    beta = float(m.sum())
-    c = k if beta <= 0 else (1 - (1 - beta) ** k) / beta
-    accept = [min(1.0, float(q[x] / (gamma * p[x]))) for x in child_ids.tolist()]
-    return accept, _residual(q, m * c)
+    return accept_probs, q
 
 
 def greedy(q: Tensor, p: Tensor, child_ids: Tensor) -> tuple[list[float], Tensor]:
     """Temperature 0: accept the child equal to argmax q, else emit argmax q."""
     best = int(q.argmax())
-    residual = torch.zeros_like(q)
+    residual = torch.zeros_like(q)  # [V]
     residual[best] = 1
     return [float(x == best) for x in child_ids.tolist()], residual
+
+
+def own_children(tree: DraftTree, node: int) -> Tensor:
+    """[K] node indices of `node`'s children, in sampling order."""
+    return (tree.parent_idx == node).nonzero().flatten()
 
 
 @dataclass(frozen=True)
 class Rule:
     name: str
     node_law: NodeLaw
-    merge_equal_children: bool = False  # K-SEQ: after accepting x, every chain whose draft is x stays alive
+    children_of: ChildrenOf = own_children  # K-SEQ: the children of every chain on the same prefix
+    reads_draft_law: bool = True  # False for greedy matching: p is never read, so its support is moot
 
 
 RULES = {
     "rrs": Rule("rrs", rrs),
     "rrs_with_replacement": Rule("rrs_with_replacement", rrs_with_replacement),
-    "kseq": Rule("kseq", kseq, merge_equal_children=True),
-    "greedy": Rule("greedy", greedy),
+    "kseq": Rule("kseq", kseq, children_of=merged_children),
+    "greedy": Rule("greedy", greedy, reads_draft_law=False),
 }
 
 
@@ -144,63 +141,77 @@ class Verdict:
         return [*self.accepted_ids, self.next_token]
 
 
-def _children(tree: DraftTree, nodes: list[int]) -> Tensor:
-    """Children of all `nodes`, in node order (each parent's in sampling order)."""
-    return torch.isin(tree.parent_idx, torch.tensor(nodes, device=tree.parent_idx.device)).nonzero().flatten()
+def _check_shapes(tree: DraftTree, target_probs: Tensor) -> None:
+    if target_probs.shape != tree.draft_probs.shape:
+        raise ValueError(
+            f"target_probs must be [N, V] = {list(tree.draft_probs.shape)} like the tree's draft_probs, "
+            f"got {list(target_probs.shape)}"
+        )
 
 
-def _alive_after(tree: DraftTree, kids: Tensor, k: int, rule: Rule) -> list[int]:
-    if not rule.merge_equal_children:
-        return [int(kids[k])]
-    same = tree.token_ids[kids] == tree.token_ids[kids[k]]
-    return kids[same].tolist()
+def _node_laws(
+    tree: DraftTree, target_probs: Tensor, node: int, child_idx: Tensor, rule: Rule
+) -> tuple[Tensor, Tensor]:
+    """q and p [V] at `node`; ValueError when an assumption of the proof fails there."""
+    q, p = target_probs[node], tree.draft_probs[node]  # [V] each
+    check_probs(q, f"target law q at node {node}")
+    if rule.reads_draft_law and child_idx.numel():
+        check_probs(p, f"draft law p at node {node}")
+        child_probs = p[tree.token_ids[child_idx]]  # [K]
+        if float(child_probs.min()) <= 0:  # a child p could not have drawn
+            c = int(child_idx[child_probs <= 0][0])
+            raise ValueError(
+                f"node {c} (token {int(tree.token_ids[c])}) has probability 0 under the draft law p at node {node}: "
+                "it was not drawn from that law, and min(1, q/p) would accept it with certainty"
+            )
+    return q, p
 
 
-def verify(tree: DraftTree, target_probs: Tensor, rule: Rule, generator: torch.Generator | None = None) -> Verdict:
+def verify(tree: DraftTree, target_probs: Tensor, rule: Rule, generator: torch.Generator) -> Verdict:
     """Walk `tree` from the root with `rule`. target_probs [N, V]: q at every node of the tree."""
-    if target_probs.shape[0] != tree.num_nodes:
-        raise ValueError(f"target_probs has {target_probs.shape[0]} rows for a tree of {tree.num_nodes} nodes")
-    alive, last = [0], 0
+    _check_shapes(tree, target_probs)
+    require_generator(generator)
+    node = 0
     while True:
-        node = alive[0]  # every alive node has the same prefix, hence the same q and p
-        kids = _children(tree, alive)
-        if kids.numel() == 0:
-            token, is_bonus = int(sample(target_probs[node], generator)), True
+        child_idx = rule.children_of(tree, node)  # [K], in sampling order
+        q, p = _node_laws(tree, target_probs, node, child_idx, rule)
+        if child_idx.numel() == 0:  # an accepted leaf: the bonus token
+            token, is_bonus = int(sample(q, generator)), True
             break
-        accept_probs, residual = rule.node_law(target_probs[node], tree.draft_probs[node], tree.token_ids[kids])
-        u = torch.rand(len(accept_probs), dtype=torch.float64, generator=generator)
+        accept_probs, residual = rule.node_law(q, p, tree.token_ids[child_idx])
+        u = torch.rand(len(accept_probs), dtype=torch.float64, generator=generator)  # [K] fresh uniforms
         hit = next((k for k, a in enumerate(accept_probs) if u[k] < a), None)
-        if hit is None:
+        if hit is None:  # every child rejected: the correction token
             token, is_bonus = int(sample(residual, generator)), False
             break
-        last = int(kids[hit])
-        alive = _alive_after(tree, kids, hit, rule)
+        node = int(child_idx[hit])
     # With merged chains (K-SEQ) successive accepted nodes may sit on different chains carrying the
     # same tokens; the chain ending at the last one has the same tokens and is a path to keep.
-    accepted = path_to(tree.parent_idx, last)
-    return Verdict(accepted, tree.token_ids[accepted].tolist(), token, is_bonus)
+    accepted_idx = path_to(tree.parent_idx, node)
+    return Verdict(accepted_idx, tree.token_ids[accepted_idx].tolist(), token, is_bonus)
 
 
 def step_law(tree: DraftTree, target_probs: Tensor, rule: Rule) -> dict[tuple[int, ...], float]:
     """Exact law of the tokens one `verify` step emits: {emitted token ids: probability}."""
+    _check_shapes(tree, target_probs)
     law: dict[tuple[int, ...], float] = {}
 
     def emit(prefix: tuple[int, ...], mass: float, probs: Tensor) -> None:
         for y in probs.nonzero().flatten().tolist():
             law[(*prefix, y)] = law.get((*prefix, y), 0.0) + mass * float(probs[y])
 
-    def walk(alive: list[int], prefix: tuple[int, ...], mass: float) -> None:
-        node = alive[0]
-        kids = _children(tree, alive)
-        if kids.numel() == 0:
-            return emit(prefix, mass, target_probs[node])
-        accept_probs, residual = rule.node_law(target_probs[node], tree.draft_probs[node], tree.token_ids[kids])
+    def walk(node: int, prefix: tuple[int, ...], mass: float) -> None:
+        child_idx = rule.children_of(tree, node)  # [K]
+        q, p = _node_laws(tree, target_probs, node, child_idx, rule)
+        if child_idx.numel() == 0:
+            return emit(prefix, mass, q)
+        accept_probs, residual = rule.node_law(q, p, tree.token_ids[child_idx])
         for k, a in enumerate(accept_probs):
             if a > 0:
-                walk(_alive_after(tree, kids, k, rule), (*prefix, int(tree.token_ids[kids[k]])), mass * a)
+                walk(int(child_idx[k]), (*prefix, int(tree.token_ids[child_idx[k]])), mass * a)
             mass *= 1 - a
         if mass > 0:
             emit(prefix, mass, residual)
 
-    walk([0], (), 1.0)
+    walk(0, (), 1.0)
     return law

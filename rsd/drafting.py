@@ -14,6 +14,10 @@ from, and it is stored in the tree for the verifier: a drafter that truncates it
     RSD-S         Stochastic Beam Search, width W, depth L     <= W nodes per level, early truncation
     greedy        the K_l most likely tokens                   branching (K_1..K_L), for temperature 0
 
+draft_tree builds the branching trees, its DraftMode saying how children are picked:
+WITHOUT_REPLACEMENT (SD, RSD-C), IID (SpecInfer; SpecTr through draft_spectr), GREEDY. RSD-S is
+draft_sbs (greedy=True: plain beam search, for temperature 0).
+
 Confidence stop (stop_below = tau > 0, a production knob in the spirit of transformers' assistant
 confidence threshold): the shape becomes an upper bound. A node is expanded only if the draft
 drew it with probability >= tau (its own entry in its parent's law); RSD-S stops after the first
@@ -26,13 +30,22 @@ function of its upper levels: tests/test_exact.py enumerates exactly that and th
 from __future__ import annotations
 
 from collections.abc import Sequence
+from enum import StrEnum
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from rsd.sampling import gumbel, gumbel_top_k, sample
+from rsd.sampling import check_probs, gumbel, gumbel_top_k, require_generator, sample
 from rsd.tree import DraftTree
+
+
+class DraftMode(StrEnum):
+    """How draft_tree picks a node's K children from its proposal law."""
+
+    WITHOUT_REPLACEMENT = "without_replacement"  # Gumbel-Top-K, in sampling order: RSD-C (SD when K = 1)
+    IID = "iid"  # K i.i.d. samples, repeats allowed: SpecInfer; SpecTr's chains
+    GREEDY = "greedy"  # the K most likely tokens, most likely first: every method at temperature 0
 
 
 class Proposal(Protocol):
@@ -51,9 +64,10 @@ class _TreeBuilder:
         self.probs: dict[int, Tensor] = {}
 
     def propose(self, proposal: Proposal, nodes: list[int]) -> Tensor:
-        probs = proposal(self._tensor(self.token_ids), self._tensor(self.parent_idx), self._tensor(nodes))
+        probs = proposal(self._tensor(self.token_ids), self._tensor(self.parent_idx), self._tensor(nodes))  # [F, V]
+        check_probs(probs, "proposal law")
         self.probs.update(zip(nodes, probs, strict=True))
-        return probs  # [F, V]
+        return probs
 
     def add(self, parent: int, token: int) -> int:
         self.token_ids.append(token)
@@ -80,23 +94,20 @@ def draft_tree(
     proposal: Proposal,
     root_token: int,
     branching: Sequence[int],
-    mode: str,
-    generator: torch.Generator | None = None,
+    mode: DraftMode,
+    generator: torch.Generator,
     device: torch.device | str = "cpu",
     stop_below: float = 0.0,
 ) -> DraftTree:
-    """A tree with branching[l] children per node at depth l, picked by `mode`:
+    """A tree with branching[l] children per node at depth l, picked by `mode` (DraftMode).
 
-    "without_replacement"  Gumbel-Top-k, RSD-C (SD when every branching is 1)
-    "iid"                  i.i.d. samples with replacement, SpecInfer (SpecTr: branching (K, 1, ..., 1))
-    "greedy"               the most likely tokens, in descending probability
     A node whose law has fewer than K tokens in its support gets only that many children in the
     without-replacement and greedy modes. stop_below: a node drawn with probability below it gets
     no children (the root always does).
     """
     _check_branching(branching)
-    if mode not in ("without_replacement", "iid", "greedy"):
-        raise ValueError(f"unknown drafting mode {mode!r}")
+    mode = DraftMode(mode)  # ValueError for an unknown mode
+    require_generator(generator)
     tree = _TreeBuilder(root_token, device)
     frontier, own, probs = [0], [1.0], None  # own: each frontier node's probability in its parent's law
     for k in branching:
@@ -104,17 +115,21 @@ def draft_tree(
         if not frontier:
             break
         probs = tree.propose(proposal, frontier)  # [F, V]
-        if mode == "iid":
-            ids = sample(probs.unsqueeze(1).expand(-1, k, -1), generator)  # [F, k]
-            valid = torch.ones_like(ids, dtype=torch.bool)
-        elif mode == "without_replacement":
-            ids, valid = gumbel_top_k(probs, min(k, probs.shape[-1]), generator)  # [F, k]
+        if mode is DraftMode.IID:
+            child_ids = sample(probs.unsqueeze(1).expand(-1, k, -1), generator)  # [F, k]
+            valid_mask = torch.ones_like(child_ids, dtype=torch.bool)  # [F, k]
+        elif mode is DraftMode.WITHOUT_REPLACEMENT:
+            # DEVIATION: the paper's branching is constant; past a law's support no distinct token is
+            # left, so the node keeps fewer children (Sequoia drafts uniformly there instead).
+            child_ids, valid_mask = gumbel_top_k(probs, min(k, probs.shape[-1]), generator)  # [F, k]
         else:
-            top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)
-            ids, valid = top.indices, top.values > 0
-        kept = [
+            top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)  # [F, k]
+            child_ids, valid_mask = top.indices, top.values > 0
+        kept = [  # (parent node, its row f in probs, child token)
             (parent, f, int(tok))
-            for f, (parent, row_ids, row_valid) in enumerate(zip(frontier, ids.tolist(), valid.tolist(), strict=True))
+            for f, (parent, row_ids, row_valid) in enumerate(
+                zip(frontier, child_ids.tolist(), valid_mask.tolist(), strict=True)
+            )
             for tok, ok in zip(row_ids, row_valid, strict=True)
             if ok
         ]
@@ -132,12 +147,13 @@ def draft_spectr(
     root_token: int,
     num_chains: int,
     depth: int,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator,
     device: torch.device | str = "cpu",
     stop_below: float = 0.0,
 ) -> DraftTree:
     """SpecTr: num_chains independent draft sequences of length depth, as a tree of chains."""
-    return draft_tree(proposal, root_token, [num_chains] + [1] * (depth - 1), "iid", generator, device, stop_below)
+    branching = [num_chains] + [1] * (depth - 1)
+    return draft_tree(proposal, root_token, branching, DraftMode.IID, generator, device, stop_below)
 
 
 def _condition_gumbel(g_tilde: Tensor, parent_g: Tensor) -> Tensor:
@@ -154,7 +170,7 @@ def draft_sbs(
     root_token: int,
     beam_width: int,
     depth: int,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator,
     device: torch.device | str = "cpu",
     greedy: bool = False,
     stop_below: float = 0.0,
@@ -173,27 +189,28 @@ def draft_sbs(
     """
     if beam_width < 1 or depth < 1:
         raise ValueError(f"beam_width and depth must be >= 1, got {beam_width} and {depth}")
+    require_generator(generator)
     tree = _TreeBuilder(root_token, device)
     beams = [0]
     phi = torch.zeros(1, dtype=torch.float64, device=device)  # [F] log p of each beam's prefix
     g = torch.zeros(1, dtype=torch.float64, device=device)  # [F] perturbed value of each beam
-    own = torch.ones(1, device=device)  # [F] each beam's probability in its parent's law
+    own_probs = torch.ones(1, device=device)  # [F] each beam's probability in its parent's law
     probs = None
     for _ in range(depth):
-        if stop_below > 0 and float(own.max()) < stop_below:
+        if stop_below > 0 and float(own_probs.max()) < stop_below:
             break
         probs = tree.propose(proposal, beams)  # [F, V]
         phi_child = phi.unsqueeze(-1) + torch.log(probs.to(torch.float64))  # [F, V]
         noise = 0.0 if greedy else gumbel(phi_child.shape, generator, device)
         g_child = phi_child if greedy else _condition_gumbel(phi_child + noise, g)  # [F, V]
-        top = torch.topk(g_child.flatten(), min(beam_width, g_child.numel()))
-        keep = top.indices[torch.isfinite(top.values)]  # at most W candidates, descending G
+        top = torch.topk(g_child.flatten(), min(beam_width, g_child.numel()))  # [<= W] over F * V
+        keep_idx = top.indices[torch.isfinite(top.values)]  # [<= W] flat (row, token), descending G
         vocab = probs.shape[-1]
         # Store children grouped by parent, each group in descending G (its sampling order).
-        order = sorted(range(keep.numel()), key=lambda i: (int(keep[i]) // vocab, i))
-        keep = keep[order]
-        parents, tokens = keep // vocab, keep % vocab
-        beams = [tree.add(beams[int(f)], int(t)) for f, t in zip(parents, tokens, strict=True)]
-        own = probs[parents, tokens]
-        phi, g = phi_child.flatten()[keep], g_child.flatten()[keep]
+        order = sorted(range(keep_idx.numel()), key=lambda i: (int(keep_idx[i]) // vocab, i))
+        keep_idx = keep_idx[order]
+        row_idx, child_ids = keep_idx // vocab, keep_idx % vocab  # [<= W] each
+        beams = [tree.add(beams[int(f)], int(t)) for f, t in zip(row_idx, child_ids, strict=True)]
+        own_probs = probs[row_idx, child_ids]  # [F']
+        phi, g = phi_child.flatten()[keep_idx], g_child.flatten()[keep_idx]  # [F'] each
     return tree.build(probs.shape[-1], probs.dtype)

@@ -22,11 +22,17 @@ from dataclasses import dataclass
 import torch
 
 from rsd.acceptance import RULES, Rule
-from rsd.drafting import Proposal, draft_sbs, draft_tree
+from rsd.drafting import DraftMode, Proposal, draft_sbs, draft_tree
 from rsd.tree import DraftTree
 
 METHOD_NAMES = ("sd", "specinfer", "spectr", "rsd_c", "rsd_s")
 _RULE = {"sd": "rrs", "specinfer": "rrs_with_replacement", "spectr": "kseq", "rsd_c": "rrs", "rsd_s": "rrs"}
+_DRAFT_MODE = {  # at T > 0; rsd_s drafts by Stochastic Beam Search instead
+    "sd": DraftMode.WITHOUT_REPLACEMENT,
+    "specinfer": DraftMode.IID,
+    "spectr": DraftMode.IID,
+    "rsd_c": DraftMode.WITHOUT_REPLACEMENT,
+}
 
 
 @dataclass(frozen=True)
@@ -92,12 +98,10 @@ class Method:
         return RULES["greedy" if greedy else _RULE[self.name]]
 
     def draft(
-        self, proposal: Proposal, root_token: int, generator: torch.Generator | None, greedy: bool, device="cpu"
+        self, proposal: Proposal, root_token: int, generator: torch.Generator, greedy: bool, device="cpu"
     ) -> DraftTree:
         stop = self.stop_below
         if self.name == "rsd_s":
             return draft_sbs(proposal, root_token, self.beam_width, self.depth, generator, device, greedy, stop)
-        if greedy:
-            return draft_tree(proposal, root_token, self.branching, "greedy", generator, device, stop)
-        mode = "iid" if self.name in ("specinfer", "spectr") else "without_replacement"
+        mode = DraftMode.GREEDY if greedy else _DRAFT_MODE[self.name]
         return draft_tree(proposal, root_token, self.branching, mode, generator, device, stop)

@@ -7,6 +7,7 @@ law a token was sampled from and the law used to verify it silently changes the 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -66,30 +67,59 @@ def logits_to_probs(logits: Tensor, params: SamplingParams) -> Tensor:
     return truncate(probs, params.top_k, params.top_p)
 
 
-def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+def require_generator(generator: torch.Generator) -> torch.Generator:
+    """Every random draw in rsd takes an explicit generator: torch's global RNG would make runs
+    depend on whatever else drew from it, and seeded replay (rsd_runtime) on nothing."""
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(f"expected a torch.Generator, got {type(generator).__name__}: rsd never uses the global RNG")
+    return generator
+
+
+def check_probs(probs: Tensor, name: str = "probs") -> None:
+    """Raise ValueError unless every row of probs [..., V] is a law one can sample from: finite,
+    non-negative, with positive mass. (Rows need not sum to 1: samplers normalise implicitly.)"""
+    mass = probs.sum(-1)  # [...]: NaN or inf when an entry is
+    if mass.numel() == 0 or (
+        probs.shape[-1] > 0 and float(probs.min()) >= 0 and float(mass.min()) > 0 and float(mass.max()) < math.inf
+    ):
+        return
+    rows = probs.reshape(mass.numel(), probs.shape[-1])  # [R, V]
+    bad = ~(torch.isfinite(rows).all(-1) & (rows >= 0).all(-1) & (rows.sum(-1) > 0))  # [R]
+    r = int(bad.nonzero()[0])
+    where = f" (row {r} of {tuple(probs.shape[:-1])})" if probs.dim() > 1 else ""
+    raise ValueError(
+        f"{name}{where} is not a law to sample from: it needs finite, non-negative entries with positive "
+        f"mass, got {rows[r, :8].tolist()}{' ...' if rows.shape[-1] > 8 else ''}"
+    )
+
+
+def sample(probs: Tensor, generator: torch.Generator) -> Tensor:
     """One draw per row from probs [..., V] -> ids [...].
 
-    The exponential race argmax(p / E), E ~ Exp(1), is a categorical sample without a sync for
-    torch.multinomial's checks; zero-probability tokens can never win.
+    The exponential race argmax(p / E), E ~ Exp(1), is a categorical sample that needs no
+    torch.multinomial; zero-probability tokens can never win. A row with no mass (all zero) or a
+    NaN would make argmax return token 0 silently, so check_probs refuses it first.
     """
-    race = torch.empty_like(probs, dtype=torch.float64).exponential_(generator=generator)
+    check_probs(probs)
+    race = torch.empty_like(probs, dtype=torch.float64).exponential_(generator=require_generator(generator))  # [..., V]
     return (probs.to(torch.float64) / race).argmax(-1)
 
 
-def gumbel(shape: torch.Size | tuple[int, ...], generator: torch.Generator | None, device=None) -> Tensor:
+def gumbel(shape: torch.Size | tuple[int, ...], generator: torch.Generator, device=None) -> Tensor:
     """Standard Gumbel noise in float64."""
-    u = torch.rand(shape, dtype=torch.float64, generator=generator, device=device)
+    u = torch.rand(shape, dtype=torch.float64, generator=require_generator(generator), device=device)
     return -torch.log(-torch.log(u.clamp_min(1e-300)))
 
 
-def gumbel_top_k(probs: Tensor, k: int, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+def gumbel_top_k(probs: Tensor, k: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
     """Ordered sample of k tokens without replacement from each row of probs [F, V].
 
     Perturb log p with Gumbel noise and take the top k keys, largest first: that is a
     Plackett-Luce sample, i.e. x_1 ~ p, x_2 ~ p restricted to V minus {x_1} renormalised, ...
-    Returns ids [F, k] in sampling order and valid [F, k] (False past a row's support size,
+    Returns ids [F, k] in sampling order and valid_mask [F, k] (False past a row's support size,
     where no further distinct token exists).
     """
+    check_probs(probs)
     keys = torch.log(probs.to(torch.float64)) + gumbel(probs.shape, generator, probs.device)  # [F, V]
-    top = torch.topk(keys, k, dim=-1)
+    top = torch.topk(keys, k, dim=-1)  # [F, k]
     return top.indices, torch.isfinite(top.values)

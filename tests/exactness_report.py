@@ -5,7 +5,7 @@ import pathlib
 
 from rsd.acceptance import RULES
 from tests import toy
-from tests.test_exact import CASES, METHODS, STOP, V, _children_sorted_by_token, _gap, _unsure_nodes_dropped
+from tests.test_exact import CASES, METHODS, STOP, WOR, V, _children_sorted_by_token, _gap, _unsure_nodes_dropped
 
 
 def main() -> None:
@@ -23,11 +23,9 @@ def main() -> None:
         lines.append(f"| {method} | {rule} | " + " | ".join(f"{g:.1e}" for g in gaps) + " |")
     draft, target = CASES["random"]()
     wrong_rule = _gap("rsd_c_2x2", draft, target, rule="rrs_with_replacement")
-    trees = [
-        (_children_sorted_by_token(t), p) for t, p in toy.branching_tree_law(draft, V, [3, 1], "without_replacement")
-    ]
+    trees = [(_children_sorted_by_token(t), p) for t, p in toy.branching_tree_law(draft, V, [3, 1], WOR)]
     wrong_order = toy.max_abs_diff(toy.speculative_law(trees, target, RULES["rrs"], 3), toy.extend((), target, 3))
-    dropped = _unsure_nodes_dropped(toy.branching_tree_law(draft, V, [2, 2], "without_replacement"), STOP)
+    dropped = _unsure_nodes_dropped(toy.branching_tree_law(draft, V, [2, 2], WOR), STOP)
     wrong_stop = toy.max_abs_diff(toy.speculative_law(dropped, target, RULES["rrs"], 3), toy.extend((), target, 3))
     lines += [
         "",

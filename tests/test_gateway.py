@@ -8,7 +8,7 @@ or a real redis-server. The drafter behind it is either
     engines as the in-process SpeculativeGenerator, one RunEvent per step, with knobs to slow down,
     fail with UNAVAILABLE or play dead. It shows what the gateway itself does (commit, stream,
     failover) independently of the drafter and verifier services; or
-  - the real drafter_service + verifier_service servers (the `real_services` tests at the bottom).
+  - the real drafter_service + verifier_service servers (the `test_real_services_*` tests at the bottom).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
 import pytest
@@ -42,7 +41,6 @@ from rsd_wire import common_pb2, drafter_pb2, drafter_pb2_grpc, gateway_pb2
 from rsd_wire.convert import method_from_proto, sampling_params_from_proto
 from tests.redis_server import redis_server
 
-ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "w2 w10 w11 w12"
 EOS = 1  # the tiny tokenizer's <eos>
 
@@ -160,11 +158,20 @@ class ReferenceDrafter(drafter_pb2_grpc.DrafterServicer):
     one RunEvent per speculative step. It ignores the verifier address.
 
     step_delay_s: sleep between steps; fail_after_steps: the first run aborts with UNAVAILABLE after
-    that many steps, after awaiting on_fail (e.g. to play dead)."""
+    that many steps, after awaiting on_fail (e.g. to play dead); hold_after_steps: the first run
+    stalls after that many steps until the gateway closes its stream."""
 
-    def __init__(self, draft_model, target_model, step_delay_s: float = 0.0, fail_after_steps: int | None = None):
+    def __init__(
+        self,
+        draft_model,
+        target_model,
+        step_delay_s: float = 0.0,
+        fail_after_steps: int | None = None,
+        hold_after_steps: int | None = None,
+    ):
         self.draft_model, self.target_model = draft_model, target_model
         self.step_delay_s, self.fail_after_steps = step_delay_s, fail_after_steps
+        self.hold_after_steps = hold_after_steps
         self.on_fail: Callable | None = None
         self.runs: list[drafter_pb2.RunRequest] = []
         self._running: set[tuple[str, int]] = set()
@@ -222,6 +229,9 @@ class ReferenceDrafter(drafter_pb2_grpc.DrafterServicer):
                 steps += 1
                 if event.finish_reason:
                     return
+                if self.hold_after_steps is not None and steps >= self.hold_after_steps:
+                    self.hold_after_steps = None
+                    await asyncio.Event().wait()  # never set: cancelled when the gateway closes the stream
                 await asyncio.sleep(self.step_delay_s)
         finally:
             self._running.discard(key)
@@ -568,10 +578,6 @@ def test_failover_mid_run_has_no_gap_and_no_repeat(loop, pair, store, dead):
 # ---------------------------------------------------------------------------------------------
 # Through the real drafter and verifier services
 
-_REAL = [ROOT / "verifier_service" / "server.py", ROOT / "drafter_service" / "server.py"]
-_MISSING = [str(p.relative_to(ROOT)) for p in _REAL if not p.is_file()]
-real_services = pytest.mark.skipif(bool(_MISSING), reason=f"not built yet: {', '.join(_MISSING)}")
-
 REAL_METHODS = [("sd", "4"), ("specinfer", "2,2,1"), ("spectr", "3x3"), ("rsd_c", "2,2,1"), ("rsd_s", "3x4")]
 
 
@@ -615,7 +621,6 @@ def real_stack(loop, pair, tiny_tokenizer, redis_url):
     loop.run(close_services())
 
 
-@real_services
 @pytest.mark.parametrize(("method", "shape"), REAL_METHODS)
 def test_real_services_greedy_equals_in_process(real_stack, pair, method, shape):
     prompt_ids = pair[2].encode(PROMPT, add_special_tokens=False)
@@ -625,7 +630,6 @@ def test_real_services_greedy_equals_in_process(real_stack, pair, method, shape)
     assert gen.finished.num_steps >= 1
 
 
-@real_services
 def test_real_services_concurrent_sessions(real_stack, pair):
     prompts = [f"w2 w{10 + i} w{30 + 2 * i}" for i in range(8)]
     results: dict[int, object] = {}
@@ -644,7 +648,6 @@ def test_real_services_concurrent_sessions(real_stack, pair):
         assert gen.token_ids == reference(pair, pair[2].encode(prompts[i], add_special_tokens=False), max_new_tokens=12)
 
 
-@real_services
 def test_real_services_continuation_reuses_the_verifier_cache(real_stack, pair):
     tokenizer = pair[2]
     with real_stack.client() as client:
@@ -661,7 +664,6 @@ def test_real_services_continuation_reuses_the_verifier_cache(real_stack, pair):
     assert after.kv_location.length_tokens == after.committed_length_tokens - 1
 
 
-@real_services
 def test_real_services_verifier_failover(loop, pair, tiny_tokenizer):
     """Two real verifiers; the one serving the session stops mid-run. The drafter's stream fails, the
     gateway re-runs from the committed tokens on the other verifier: same text as an undisturbed run."""

@@ -18,9 +18,9 @@ def test_loadtest_reports_every_figure_and_no_error(tmp_path, capsys):
     assert report["requests_completed"] >= 2 and report["new_tokens"] >= 8 * report["requests_completed"] // 2
     assert report["throughput_tok_s"] > 0
     for latency in (report["ttft_ms"], report["per_token_ms"]):
-        assert set(latency) == {"p50", "p99", "max"} and 0 < latency["p50"] <= latency["p99"] <= latency["max"]
+        assert {"p50", "p99", "max"} <= set(latency) and 0 < latency["p50"] <= latency["p99"] <= latency["max"]
     (memory,) = report["memory_mib"].values()
-    assert set(memory) == {"start", "peak", "end", "growth"} and memory["peak"] >= memory["start"] > 0
+    assert {"start", "peak", "end", "growth"} <= set(memory) and memory["peak"] >= memory["start"] > 0
     markdown = out.with_suffix(".md").read_text()
     assert "time to first token" in markdown and "requests completed" in markdown
     assert "requests completed" in capsys.readouterr().out

@@ -396,7 +396,11 @@ def test_limits_are_resource_exhausted_and_the_gateway_keeps_serving(loop, pair)
 
 
 def test_request_timeout_is_deadline_exceeded_and_keeps_the_committed_tokens(loop, pair):
-    s = start_stack(loop, pair, MemorySessionStore(), drafter_kwargs={"step_delay_s": 0.05}, request_timeout_s=0.5)
+    """The drafter stalls after its first step (on an event, not a race against a sleep), so the turn
+    can only end by the deadline, with that step's tokens committed; request_timeout_s only has to
+    exceed one tiny-model step."""
+    drafter = {"step_delay_s": 0.05, "hold_after_steps": 1}
+    s = start_stack(loop, pair, MemorySessionStore(), drafter_kwargs=drafter, request_timeout_s=2.0)
     prompt_ids = pair[2].encode(PROMPT, add_special_tokens=False)
     try:
         with s.client() as client:

@@ -428,8 +428,9 @@ def test_batcher_isolates_a_refused_request(models):
         batcher = Batcher(engine, max_batch_nodes=512, batch_wait_ms=50.0)
         batcher.start()
         try:
-            good = VerifyRequest("ok", PROMPT, valid_tree(PROMPT[-1], vocab), RULES["greedy"], SamplingParams(0))
-            ghost = VerifyRequest("ghost", PROMPT, valid_tree(PROMPT[-1], vocab), RULES["greedy"], SamplingParams(0))
+            greedy = (RULES["greedy"], SamplingParams(0), torch.Generator().manual_seed(0))
+            good = VerifyRequest("ok", PROMPT, valid_tree(PROMPT[-1], vocab), *greedy)
+            ghost = VerifyRequest("ghost", PROMPT, valid_tree(PROMPT[-1], vocab), *greedy)
             outcomes = await asyncio.gather(
                 batcher.submit(good, 7, lambda v, info: (v, info)),
                 batcher.submit(ghost, 7, lambda v, info: (v, info)),

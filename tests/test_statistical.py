@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from rsd.acceptance import RULES, verify
-from rsd.drafting import draft_sbs, draft_spectr, draft_tree
+from rsd.drafting import DraftMode, draft_sbs, draft_spectr, draft_tree
 from tests import toy
+
+WOR, IID = DraftMode.WITHOUT_REPLACEMENT, DraftMode.IID
 
 V = 4
 P_MIN = 1e-4
@@ -44,16 +46,16 @@ def _key(tree):
 
 DRAFTERS = {
     "rsd_c_2x2": (
-        lambda p, g: draft_tree(toy.TableProposal(p), 0, [2, 2], "without_replacement", g),
-        lambda p: toy.branching_tree_law(p, V, [2, 2], "without_replacement"),
+        lambda p, g: draft_tree(toy.TableProposal(p), 0, [2, 2], WOR, g),
+        lambda p: toy.branching_tree_law(p, V, [2, 2], WOR),
     ),
     "specinfer_2x1": (
-        lambda p, g: draft_tree(toy.TableProposal(p), 0, [2, 1], "iid", g),
-        lambda p: toy.branching_tree_law(p, V, [2, 1], "iid"),
+        lambda p, g: draft_tree(toy.TableProposal(p), 0, [2, 1], IID, g),
+        lambda p: toy.branching_tree_law(p, V, [2, 1], IID),
     ),
     "spectr_k2_l2": (
         lambda p, g: draft_spectr(toy.TableProposal(p), 0, 2, 2, g),
-        lambda p: toy.branching_tree_law(p, V, [2, 1], "iid"),
+        lambda p: toy.branching_tree_law(p, V, [2, 1], IID),
     ),
     "rsd_s_w2_l2": (
         lambda p, g: draft_sbs(toy.TableProposal(p), 0, 2, 2, g),
@@ -61,12 +63,12 @@ DRAFTERS = {
     ),
     # the confidence stop: the code's trees follow the cut laws that test_exact.py proves exact
     "rsd_c_2x1x1_stop": (
-        lambda p, g: draft_tree(toy.TableProposal(p), 0, [2, 1, 1], "without_replacement", g, stop_below=STOP),
-        lambda p: toy.confidence_cut(toy.branching_tree_law(p, V, [2, 1, 1], "without_replacement"), STOP, "node"),
+        lambda p, g: draft_tree(toy.TableProposal(p), 0, [2, 1, 1], WOR, g, stop_below=STOP),
+        lambda p: toy.confidence_cut(toy.branching_tree_law(p, V, [2, 1, 1], WOR), STOP, "node"),
     ),
     "spectr_k2_l3_stop": (
         lambda p, g: draft_spectr(toy.TableProposal(p), 0, 2, 3, g, stop_below=STOP),
-        lambda p: toy.confidence_cut(toy.branching_tree_law(p, V, [2, 1, 1], "iid"), STOP, "node"),
+        lambda p: toy.confidence_cut(toy.branching_tree_law(p, V, [2, 1, 1], IID), STOP, "node"),
     ),
     "rsd_s_w2_l3_stop": (
         lambda p, g: draft_sbs(toy.TableProposal(p), 0, 2, 3, g, stop_below=STOP),
@@ -90,9 +92,9 @@ def test_drafted_trees_follow_the_enumerated_law(name):
 
 
 PIPELINES = {  # drafter, rule, depth
-    "rsd_c_2x2": (lambda p, g: draft_tree(toy.TableProposal(p), 0, [2, 2], "without_replacement", g), "rrs", 2),
+    "rsd_c_2x2": (lambda p, g: draft_tree(toy.TableProposal(p), 0, [2, 2], WOR, g), "rrs", 2),
     "rsd_s_w3_l2": (lambda p, g: draft_sbs(toy.TableProposal(p), 0, 3, 2, g), "rrs", 2),
-    "specinfer_2x2": (lambda p, g: draft_tree(toy.TableProposal(p), 0, [2, 2], "iid", g), "rrs_with_replacement", 2),
+    "specinfer_2x2": (lambda p, g: draft_tree(toy.TableProposal(p), 0, [2, 2], IID, g), "rrs_with_replacement", 2),
     "spectr_k3_l2": (lambda p, g: draft_spectr(toy.TableProposal(p), 0, 3, 2, g), "kseq", 2),
 }
 

@@ -4,6 +4,7 @@ import pathlib
 import pytest
 import torch
 
+from rsd.drafting import DraftMode, draft_sbs, draft_tree
 from rsd.sampling import SamplingParams, gumbel_top_k, logits_to_probs, sample, truncate
 from rsd.tree import (
     DraftTree,
@@ -87,10 +88,42 @@ def test_sample_and_gumbel_top_k_respect_support():
     assert valid.tolist() == [[True, True, False]] and set(ids[0, :2].tolist()) == {1, 2}
 
 
+@pytest.mark.parametrize(
+    "row",
+    [[0.0, 0.0, 0.0, 0.0], [0.5, float("nan"), 0.5, 0.0], [0.5, float("inf"), 0.0, 0.0], [1.5, -0.5, 0.0, 0.0]],
+)
+def test_samplers_refuse_a_row_that_is_not_a_law(row):
+    """argmax over an all-zero or NaN row would silently return token 0."""
+    probs = torch.tensor([[0.25, 0.25, 0.25, 0.25], row])
+    with pytest.raises(ValueError, match=r"row 1 of \(2,\)\) is not a law"):
+        sample(probs, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="not a law"):
+        gumbel_top_k(probs, 2, torch.Generator().manual_seed(0))
+
+
+def test_random_functions_need_an_explicit_generator():
+    probs = torch.tensor([[0.5, 0.5]])
+    proposal = lambda token_ids, parent_idx, node_idx: probs.expand(len(node_idx), -1)  # noqa: E731
+    calls = [
+        lambda: sample(probs, None),
+        lambda: gumbel_top_k(probs, 1, None),
+        lambda: draft_tree(proposal, 0, [1], DraftMode.GREEDY, None),
+        lambda: draft_sbs(proposal, 0, 1, 1, None, greedy=True),
+    ]
+    for call in calls:
+        with pytest.raises(TypeError, match=r"torch\.Generator"):
+            call()
+    with pytest.raises(ValueError, match="DraftMode"):
+        draft_tree(proposal, 0, [1], "beam", torch.Generator())
+
+
 def test_algorithm_package_is_pure():
     """rsd/ imports torch and the standard library only: no grpc, redis, ray, asyncio, transformers, os."""
-    allowed = {"torch", "rsd", "__future__", "dataclasses", "collections", "typing", "math", "functools"}
-    for path in pathlib.Path("rsd").rglob("*.py"):
+    allowed = {"torch", "rsd", "__future__", "dataclasses", "collections", "typing", "math", "functools", "enum"}
+    package = pathlib.Path(__file__).resolve().parents[1] / "rsd"  # not the working directory's rsd/
+    paths = sorted(package.rglob("*.py"))
+    assert {"__init__.py", "acceptance.py", "drafting.py", "sampling.py", "tree.py"} <= {p.name for p in paths}, package
+    for path in paths:
         for node in ast.walk(ast.parse(path.read_text())):
             names = (
                 [a.name for a in node.names]

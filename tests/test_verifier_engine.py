@@ -50,6 +50,10 @@ def random_tree(root: int, parents: list[int], vocab: int, seed: int) -> DraftTr
     return DraftTree(tokens, torch.tensor(parents), probs)
 
 
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
 def requests_for(committed: dict[str, list[int]], trees: dict[str, DraftTree], seed: int) -> list[VerifyRequest]:
     return [
         VerifyRequest(s, committed[s], trees[s], *RULE_PARAMS[i], torch.Generator().manual_seed(seed + i))
@@ -107,7 +111,11 @@ def test_sessions_joining_and_leaving_match_generator(pair):
     engine = BatchedVerifier(target, num_slots=3, max_len=128)
     engine.attach("warm-up", [2, 3])  # materialise the pool buffers, then check they are never replaced
     engine.verify_batch(
-        [VerifyRequest("warm-up", [2, 3], random_tree(3, [-1, 0], target.config.vocab_size, 0), *RULE_PARAMS[0])]
+        [
+            VerifyRequest(
+                "warm-up", [2, 3], random_tree(3, [-1, 0], target.config.vocab_size, 0), *RULE_PARAMS[0], _gen()
+            )
+        ]
     )
     engine.release("warm-up")
     keys = engine.cache.layers[0].keys
@@ -159,7 +167,7 @@ def test_pool_full_unknown_session_and_release(pair):
             call()
     tree = random_tree(3, [-1, 0], target.config.vocab_size, 0)
     with pytest.raises(UnknownSessionError):
-        engine.verify_batch([VerifyRequest("x", [2, 3], tree, RULES["greedy"], SamplingParams(0))])
+        engine.verify_batch([VerifyRequest("x", [2, 3], tree, RULES["greedy"], SamplingParams(0), _gen())])
     engine.release("a")
     assert engine.num_free_slots == 1
     assert engine.attach("c", [2]) == 0
@@ -173,7 +181,7 @@ def test_attach_crops_and_bad_requests(pair):
     engine = BatchedVerifier(target, num_slots=2, max_len=16)
     committed = [2, 5, 6, 7, 8]
     engine.attach("a", committed)
-    greedy = (RULES["greedy"], SamplingParams(0))
+    greedy = (RULES["greedy"], SamplingParams(0), _gen())
     verdict = engine.verify_batch([VerifyRequest("a", committed, random_tree(8, [-1, 0], vocab, 1), *greedy)])[0]
     committed = committed + verdict.token_ids
     assert engine.cached_length("a") == len(committed) - 1
@@ -198,7 +206,7 @@ def test_attach_crops_and_bad_requests(pair):
     dup = DraftTree(torch.tensor([4, 9, 9]), torch.tensor([-1, 0, 0]), torch.full((3, vocab), 1 / vocab))
     good = VerifyRequest("a", [2, 5, 9, 9], tree, *greedy)
     with pytest.raises(BatchVerifyError) as info:
-        engine.verify_batch([good, VerifyRequest("b", [2, 4], dup, RULES["rrs"], SamplingParams(1.0))])
+        engine.verify_batch([good, VerifyRequest("b", [2, 4], dup, RULES["rrs"], SamplingParams(1.0), _gen())])
     assert set(info.value.errors) == {"b"} and info.value.verdicts[1] is None
     assert engine.cached_length("a") == 4 + len(info.value.verdicts[0].accepted_ids)
     assert engine.cached_length("b") == 0
@@ -213,7 +221,7 @@ def test_eager_attention_packed_logits(tmp_path_factory):
     reqs = []
     for i, (prompt, shape) in enumerate(zip(PROMPTS, SHAPES, strict=True)):
         engine.attach(str(i), prompt)
-        reqs.append(VerifyRequest(str(i), prompt, random_tree(prompt[-1], shape, vocab, i), *RULE_PARAMS[0]))
+        reqs.append(VerifyRequest(str(i), prompt, random_tree(prompt[-1], shape, vocab, i), *RULE_PARAMS[0], _gen()))
     for req, packed in zip(reqs, engine.score_batch(reqs), strict=True):
         t = req.tree
         ref = _forward_with_catch_up(ModelRunner(target, 32), req.committed_ids, t.token_ids, t.parent_idx)

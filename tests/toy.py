@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from rsd.acceptance import Rule, step_law
+from rsd.drafting import DraftMode
 from rsd.sampling import truncate
 from rsd.tree import DraftTree, path_to
 
@@ -75,13 +76,13 @@ def target_probs_for(tree: DraftTree, table: Table) -> Tensor:
 # ---- exact tree laws -------------------------------------------------------------------------
 
 
-def _ordered_samples(probs: Tensor, k: int, mode: str) -> list[tuple[tuple[int, ...], float]]:
+def _ordered_samples(probs: Tensor, k: int, mode: DraftMode) -> list[tuple[tuple[int, ...], float]]:
     """Every ordered outcome of drawing a node's children, with its probability."""
     support = probs.nonzero().flatten().tolist()
-    if mode == "greedy":
+    if mode is DraftMode.GREEDY:
         top = torch.topk(probs, min(k, len(probs)))
         return [(tuple(t for t, v in zip(top.indices.tolist(), top.values.tolist(), strict=True) if v > 0), 1.0)]
-    if mode == "iid":
+    if mode is DraftMode.IID:
         return [(xs, float(torch.prod(probs[list(xs)]))) for xs in itertools.product(support, repeat=k)]
     out = []  # without replacement: Plackett-Luce
     for xs in itertools.permutations(support, min(k, len(support))):
@@ -101,7 +102,9 @@ def _make_tree(tokens: list[int], parents: list[int], table: Table, vocab: int) 
     return DraftTree(token_ids, parent_idx, draft)
 
 
-def branching_tree_law(table: Table, vocab: int, branching: list[int], mode: str) -> list[tuple[DraftTree, float]]:
+def branching_tree_law(
+    table: Table, vocab: int, branching: list[int], mode: DraftMode
+) -> list[tuple[DraftTree, float]]:
     """Every tree rsd.drafting.draft_tree can build, with its probability, nodes in its BFS order."""
     out = []
 
