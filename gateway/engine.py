@@ -501,9 +501,9 @@ class GatewayEngine:
         msg_params = request.params if request.HasField("params") else None
         if request.session_id:
             record = await self._store(self.store.get_session, request.session_id)
-            now_ms = await self._store(self.store.now_ms)
-            running = record.status == SessionStatus.RUNNING
-            running = running and not _lease_expired(record, self.config.turn_lease_s, now_ms)
+            running = record.status == SessionStatus.RUNNING and not _lease_expired(
+                record, self.config.turn_lease_s, await self._store(self.store.now_ms)
+            )
             if running or request.session_id in self._turns:  # an expired lease: its gateway died, go on
                 raise SessionBusy(f"session {request.session_id!r} is already generating")
             params = merge_params(record.params, msg_params)

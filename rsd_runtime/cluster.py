@@ -169,9 +169,9 @@ def cluster_security(args: argparse.Namespace, run_dir: Path) -> ClusterSecurity
 
     files = (args.tls_cert, args.tls_key, args.tls_ca, args.tls_client_cert, args.tls_client_key)
     tokens = (args.auth_token_file, args.internal_token_file)
-    sec = ClusterSecurity(*map(absolute, files), args.public_mtls, *map(absolute, tokens))
     if not args.secure:
-        return sec
+        return ClusterSecurity(*map(absolute, files), args.public_mtls, *map(absolute, tokens))
+    sec = ClusterSecurity(*map(absolute, files), False, *map(absolute, tokens))  # public_mtls once a cert is made
     folder = run_dir / "secure"
     folder.mkdir(mode=0o700, exist_ok=True)
     made: dict[str, str] = {}
@@ -185,7 +185,7 @@ def cluster_security(args: argparse.Namespace, run_dir: Path) -> ClusterSecurity
         made["auth_token_file"] = _new_token(folder / "token")
     if not sec.internal_token_file:
         made["internal_token_file"] = _new_token(folder / "internal_token")
-    return replace(sec, **made)
+    return replace(sec, **made, public_mtls=args.public_mtls)
 
 
 # ---------------------------------------------------------------------------------------------

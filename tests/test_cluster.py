@@ -21,7 +21,7 @@ import pytest
 
 from rsd_runtime import cli
 from rsd_runtime.client import RsdClient
-from rsd_runtime.cluster import build_parser, run_generation, start_cluster
+from rsd_runtime.cluster import ClusterSecurity, build_parser, cluster_security, run_generation, start_cluster
 from rsd_runtime.security import ClientSecurity, channel
 from rsd_wire import verifier_pb2, verifier_pb2_grpc
 
@@ -79,6 +79,55 @@ def test_cli_generate_with_server(cluster, capsys):
     bad = ["generate", "--server", started.gateway_address, "--prompt", "w7", "--method", "sd", "--shape", "x"]
     assert cli.main(bad) == 1
     assert "INVALID_ARGUMENT" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings checked before anything starts
+
+
+@pytest.mark.parametrize(
+    "flags, reason",
+    [
+        (["--verifiers", "0"], "--verifiers must be at least 1"),
+        (["--gateways", "2", "--no-redis"], "needs redis-server"),
+        (["--tls-cert", "s.pem", "--tls-key", "s.key"], "needs --tls-ca"),
+        (["--public-mtls"], "--public-mtls needs --tls-client-cert"),
+    ],
+)
+def test_sizes_and_security_settings_are_checked(tmp_path, flags, reason):
+    args = build_parser().parse_args(["--tiny", "--cache-dir", str(tmp_path / "m"), "--run-dir", str(tmp_path), *flags])
+    with pytest.raises(ValueError, match=reason):
+        start_cluster(args)
+
+
+def test_secure_makes_what_the_flags_leave_out(tmp_path):
+    (tmp_path / "token").write_text("mine\n")
+    argv = ["--secure", "--public-mtls", "--auth-token-file", str(tmp_path / "token")]
+    sec = cluster_security(build_parser().parse_args(argv), tmp_path)
+    made = tmp_path / "secure"
+    assert sec.auth_token_file == str(tmp_path / "token") and sec.client().token == "mine"
+    assert sec.internal_token_file == str(made / "internal_token") and sec.tls_ca == str(made / "ca.pem")
+    assert sec.public_mtls and sec.client().tls_cert == sec.client_cert == str(made / "client.pem")
+    assert made.stat().st_mode & 0o777 == 0o700
+
+
+def test_security_flags_of_each_service():
+    sec = ClusterSecurity("/s.pem", "/s.key", "/ca.pem", "/c.pem", "/c.key", False, "/token", "/internal")
+    verifier, drafter, gateway = (sec.service_flags(role) for role in ("verifier", "drafter", "gateway"))
+    assert verifier == [
+        *("--tls-cert", "/s.pem", "--tls-key", "/s.key", "--tls-ca", "/ca.pem"),  # mTLS: client certificates required
+        *("--internal-token-file", "/internal"),
+    ]
+    dialing = ["--peer-tls-ca", "/ca.pem", "--peer-tls-cert", "/c.pem", "--peer-tls-key", "/c.key"]
+    assert drafter == [*verifier[:6], *dialing, "--internal-token-file", "/internal"]
+    assert gateway == [*verifier[:4], *dialing, "--internal-token-file", "/internal", "--auth-token-file", "/token"]
+    public_mtls = ClusterSecurity(**{**sec.__dict__, "public_mtls": True})
+    assert public_mtls.service_flags("gateway")[:6] == verifier[:6]
+    assert public_mtls.probe("gateway") == ClientSecurity("/ca.pem", "/c.pem", "/c.key")
+    assert sec.probe("gateway") == ClientSecurity("/ca.pem") and sec.probe("verifier") == public_mtls.probe("drafter")
+    tokens_only = ClusterSecurity(auth_token_file="/token")
+    assert tokens_only.service_flags("verifier") == [] and tokens_only.probe("gateway") is None
+    assert tokens_only.service_flags("gateway") == ["--auth-token-file", "/token"]
 
 
 # ---------------------------------------------------------------------------------------------
