@@ -437,43 +437,50 @@ def _exit_status(code: int) -> str:
     return f"signal {-code} ({signal.Signals(-code).name})" if code < 0 else f"code {code}"
 
 
-def keep_running(
-    cluster: Cluster, max_restarts: int, should_stop: Callable[[], bool], start_timeout_s: float, poll_s: float = 0.5
-) -> int:
+def keep_running(cluster: Cluster, max_restarts: int, should_stop: Callable[[], bool], poll_s: float = 0.5) -> int:
     """Serve until should_stop(). A process that exits is reported and restarted (same command and port) until
-    it has been restarted max_restarts times, then left down; the others serve throughout. 1 once all are down."""
+    it has been restarted max_restarts times, then left down; the others serve throughout. A restart is
+    reported once the new process is healthy. 1 once every process is down for good."""
     down: set[str] = set()
+    starting: set[str] = set()  # restarted, not healthy yet
     while not should_stop():
         time.sleep(poll_s)
         for p in cluster.processes:
-            code = p.proc.poll()
-            if code is None or p.name in down:
+            code = None if p.name in down else p.proc.poll()
+            if p.name in down or (code is None and p.name not in starting):
                 continue
+            if code is None:
+                if _is_up(cluster, p):
+                    starting.discard(p.name)
+                    where = cluster.redis_url if p.name == "redis" else p.address
+                    restarts = f"restart {p.restarts} of {max_restarts}"
+                    print(f"[cluster] {p.name} restarted: pid {p.proc.pid} at {where} ({restarts})", file=sys.stderr)
+                continue
+            starting.discard(p.name)
             print(f"[cluster] {p.name} (pid {p.proc.pid}) exited with {_exit_status(code)}", file=sys.stderr)
             if p.restarts >= max_restarts:
                 print(
-                    f"[cluster] {p.name} stays down (--max-restarts {max_restarts}); log {p.log_path}", file=sys.stderr
+                    f"[cluster] {p.name} stays down (--max-restarts {max_restarts}); see {p.log_path}", file=sys.stderr
                 )
                 down.add(p.name)
                 continue
             cluster.restart(p)
-            try:
-                if p.name == "redis":
-                    _wait_redis(p, cluster.redis_url)
-                else:
-                    asyncio.run(_wait_ready(p, start_timeout_s))
-            except (RuntimeError, TimeoutError) as e:  # seen dead at the next poll, if it is
-                print(f"[cluster] {p.name} restart {p.restarts} did not come up: {e}", file=sys.stderr)
-                continue
-            where = cluster.redis_url if p.name == "redis" else p.address
-            print(
-                f"[cluster] {p.name} restarted: pid {p.proc.pid} at {where} (restart {p.restarts} of {max_restarts})",
-                file=sys.stderr,
-            )
+            starting.add(p.name)
         if len(down) == len(cluster.processes):
             print("[cluster] every process is down", file=sys.stderr)
             return 1
     return 0
+
+
+def _is_up(cluster: Cluster, process: Process) -> bool:
+    """One quick probe: Redis answers PING, a service's health is SERVING."""
+    if process.name == "redis":
+        return _redis_pings(cluster.redis_url)
+    try:
+        asyncio.run(wait_healthy(process.address, timeout_s=0.2, security=process.probe))
+    except TimeoutError:
+        return False
+    return True
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -556,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGTERM, on_signal)
             signal.signal(signal.SIGINT, on_signal)  # also where a shell started us with SIGINT ignored
             with contextlib.suppress(KeyboardInterrupt):
-                return keep_running(cluster, args.max_restarts, lambda: stop, args.start_timeout_s)
+                return keep_running(cluster, args.max_restarts, lambda: stop)
     finally:
         t_stop = time.monotonic()
         cluster.stop(args.stop_timeout_s)

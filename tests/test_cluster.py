@@ -260,6 +260,10 @@ def test_keep_running_restarts_a_killed_verifier(tmp_path):
             os.kill(int(new_pid), 0)  # alive
             again = client.generate("w7 w8", temperature=0.0, max_new_tokens=4).wait()
             assert len(again.token_ids) == 4
+            os.kill(int(new_pid), signal.SIGKILL)  # past --max-restarts 1: it stays down, the rest serve on
+            out.until(rf"^\[cluster\] {victim} stays down \(--max-restarts 1\)")
+            last = client.generate("w9", session_id=again.session_id, max_new_tokens=4).wait()
+            assert len(last.token_ids) == 4
         launcher.send_signal(signal.SIGTERM)
         assert launcher.wait(120) == 0
         out.until(r"^\[cluster\] stopped in")
