@@ -288,6 +288,7 @@ def session_to_proto(record: SessionRecord, include_token_ids: bool) -> gateway_
         ),
         created_unix_ms=record.created_unix_ms,
         updated_unix_ms=record.updated_unix_ms,
+        last_finish_reason=finish_reason_value(record.finish_reason),
     )
     if record.params:
         msg.params.CopyFrom(params_to_proto(record.params))

@@ -505,6 +505,7 @@ def test_cancel_and_busy_session(loop, pair, store):
     assert gen.finished.reason == common_pb2.FINISH_REASON_CANCELLED
     assert len(rest) < 400 and gen.finished.committed_length_tokens == session.committed_length_tokens
     assert session.status == gateway_pb2.SESSION_STATUS_CANCELLED
+    assert session.last_finish_reason == common_pb2.FINISH_REASON_CANCELLED
 
 
 def _orphan(store, pair, committed: int) -> tuple[str, list[int], list[int]]:
@@ -556,6 +557,7 @@ def test_orphan_sweep_finishes_a_turn_whose_gateway_died(loop, pair, kind, reque
         record = _wait_until_not_running(store, session_id)
         with s.client() as client:
             resumed = client.generate(session_id=session_id, resume_from_position=len(prompt_ids)).wait()
+            session = client.get_session(session_id)
     finally:
         s.stop()
     assert record.status == "finished" and record.epoch == 2 and store.running_sessions() == []
@@ -563,7 +565,7 @@ def test_orphan_sweep_finishes_a_turn_whose_gateway_died(loop, pair, kind, reque
     assert s.drafters[0].runs[0].committed_token_ids == prompt_ids + expected[:2]
     reason = common_pb2.FINISH_REASON_EOS if expected[-1] == EOS else common_pb2.FINISH_REASON_LENGTH
     assert record.finish_reason == finish_reason_name(reason)
-    assert resumed.token_ids == expected and resumed.finished.reason == reason
+    assert resumed.token_ids == expected and resumed.finished.reason == reason == session.last_finish_reason
 
 
 def test_orphan_sweep_fails_a_turn_no_service_can_take(loop, pair):
