@@ -36,6 +36,7 @@ from rsd.acceptance import Verdict
 from rsd.methods import Method
 from rsd.sampling import SamplingParams
 from rsd.tree import DraftTree, path_to
+from rsd_runtime.attention import check_model
 from rsd_runtime.generator import Drafter, session_generators
 from rsd_runtime.runner import ModelRunner
 from rsd_runtime.security import channel, peer_security
@@ -106,6 +107,7 @@ class _Running:
 
 class DrafterEngine:
     def __init__(self, model: torch.nn.Module, config: DrafterConfig):
+        check_model(model, config.max_len)  # refuse at start, not at the first session, what trees cannot run exactly
         self.model, self.config = model, config
         self.vocab_size: int = model.config.get_text_config().vocab_size
         self._slots: OrderedDict[str, _Slot] = OrderedDict()  # session -> runner, least recently used first

@@ -21,6 +21,7 @@ from drafter_service.config import DrafterConfig
 from drafter_service.engine import DrafterEngine
 from drafter_service.servicer import DrafterServicer
 from gateway.store import RedisSessionStore, ServiceInfo
+from rsd_runtime.attention import UnsupportedModelError
 from rsd_runtime.metrics import DrafterMetrics
 from rsd_runtime.models import load_model, prune_draft_vocab
 from rsd_runtime.serving import (
@@ -76,7 +77,9 @@ async def create_server(
     if model is None:
         if not config.model:
             raise ValueError("--model is required: a local folder holding the draft model")
-        model = await asyncio.to_thread(load_model, config.model, config.device, config.dtype)
+        model = await asyncio.to_thread(
+            load_model, config.model, config.device, config.dtype, config.attn_implementation
+        )
         prune_draft_vocab(model, config.draft_vocab)
     engine = DrafterEngine(model, config)
     servicer = DrafterServicer(engine)
@@ -111,4 +114,8 @@ async def serve(config: DrafterConfig) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     config = load_config(DrafterConfig, "drafter", sys.argv[1:] if argv is None else argv)
     setup_logging(config.log_format)
-    asyncio.run(serve(config))
+    try:
+        asyncio.run(serve(config))
+    except UnsupportedModelError as e:  # refuse to start, with the reason, rather than serve a wrong law
+        log.error("cannot serve %s exactly: %s", config.model, e)
+        raise SystemExit(f"drafter: cannot serve {config.model} exactly: {e}") from None

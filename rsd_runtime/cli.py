@@ -43,6 +43,12 @@ def _add_generate(sub) -> None:
     p.add_argument("--target-device", default="cpu")
     p.add_argument("--draft-dtype", default="float32", choices=[*DTYPE_NAMES, "auto"])
     p.add_argument("--target-dtype", default="float32", choices=[*DTYPE_NAMES, "auto"])
+    p.add_argument(
+        "--attn-implementation",
+        default="auto",
+        choices=["auto", "sdpa", "eager"],
+        help="attention backend of both models (auto: sdpa where the architecture has it, else eager)",
+    )
     p.add_argument("--draft-top-k", type=int, default=0, help="drafter-side truncation of its proposal")
     p.add_argument("--draft-top-p", type=float, default=1.0)
     p.add_argument("--max-len", type=int, default=2048, help="KV cache capacity per model, in tokens")
@@ -144,6 +150,7 @@ def generate(args) -> int:
 
     from rsd.methods import Method
     from rsd.sampling import SamplingParams
+    from rsd_runtime.attention import UnsupportedModelError
     from rsd_runtime.generator import SpeculativeGenerator
     from rsd_runtime.models import load_model, load_tokenizer, prune_draft_vocab, use_small_batch_linear
     from rsd_runtime.runner import ModelRunner
@@ -161,11 +168,15 @@ def generate(args) -> int:
     tokenizer = load_tokenizer(target_dir)
 
     def load(path, device, dtype, draft_vocab=0):
-        model = load_model(path, device, dtype)
+        model = load_model(path, device, dtype, args.attn_implementation)
+        print(f"  {type(model).__name__}, attention {model.config._attn_implementation}", file=sys.stderr)
         prune_draft_vocab(model, draft_vocab)
         if args.small_batch_linear:
             use_small_batch_linear(model, args.small_batch_linear)
-        return ModelRunner(model, args.max_len)
+        try:
+            return ModelRunner(model, args.max_len)
+        except UnsupportedModelError as e:
+            raise SystemExit(f"error: {path}: {e}") from None
 
     target = load(target_dir, args.target_device, args.target_dtype)
     draft = None

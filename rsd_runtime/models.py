@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -11,6 +12,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from rsd_runtime import DTYPE_NAMES
+
+log = logging.getLogger(__name__)
 
 DTYPES = dict(zip(DTYPE_NAMES, (torch.float32, torch.bfloat16, torch.float16), strict=True))
 # Text every tokenizer we load must encode the same way as its own tokenizer.json:
@@ -48,15 +51,36 @@ def load_model(
     path: str | Path,
     device: str = "cpu",
     dtype: str = "float32",
-    attn_implementation: str = "sdpa",
+    attn_implementation: str = "auto",
     gguf_file: str | None = None,
 ) -> PreTrainedModel:
-    """A causal LM in eval mode with gradients off, on `device` (any torch device string)."""
-    kwargs = {"dtype": parse_dtype(dtype, device), "attn_implementation": attn_implementation}
+    """A causal LM in eval mode with gradients off, on `device` (any torch device string).
+
+    attn_implementation "auto" takes sdpa where the architecture has it, else eager (Gemma2, GPT-Neo,
+    Bloom, MPT, XGLM have no sdpa path); the choice is logged and kept in model.config._attn_implementation.
+    Tree forwards need one of rsd_runtime.attention.MASKED_ATTENTION.
+    """
+    kwargs = {"dtype": parse_dtype(dtype, device)}
     if gguf_file is not None:
         kwargs["gguf_file"] = gguf_file
-    model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    if attn_implementation != "auto":
+        model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation=attn_implementation, **kwargs)
+    else:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="sdpa", **kwargs)
+        except ValueError as e:
+            if "scaled_dot_product_attention" not in str(e) and "sdpa" not in str(e):
+                raise
+            model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager", **kwargs)
     model.to(torch.device(device)).eval().requires_grad_(False)
+    log.info(
+        "loaded %s: %s, attention %s, %s on %s",
+        path,
+        type(model).__name__,
+        model.config._attn_implementation,
+        model.dtype,
+        device,
+    )
     return model
 
 

@@ -25,9 +25,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from rsd.tree import node_depths, tree_attention_mask
-
-# Attention backends that add our 4-D float mask as is (flash/flex ignore it or want a BlockMask).
-_MASKED_ATTENTION = ("sdpa", "eager")
+from rsd_runtime.attention import check_model
 
 
 class TreeKVLayer(CacheLayerMixin):
@@ -101,26 +99,11 @@ class TreeKVCache(Cache):
             layer.truncate(length)
 
 
-def _check_supported(model: PreTrainedModel, max_len: int) -> None:
-    """Refuse models for which one full-attention 4-D mask would be silently wrong."""
-    config = model.config.get_text_config()
-    attn = model.config._attn_implementation
-    if attn not in _MASKED_ATTENTION:
-        raise ValueError(f"attn_implementation must be one of {_MASKED_ATTENTION}, got {attn!r}")
-    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-    if not layer_types <= {"full_attention", "sliding_attention"}:
-        raise ValueError(f"only attention layers are supported, the model has {sorted(layer_types)}")
-    # A sliding layer gets the same full mask; that is exact only while no token falls out of the window.
-    window = getattr(config, "sliding_window", None)
-    if "sliding_attention" in layer_types and (window is None or max_len > window):
-        raise ValueError(f"the model has sliding-window layers (window {window}): max_len must be <= it")
-
-
 class ModelRunner:
     """Tree-attention runner for one sequence (batch 1); see the module docstring."""
 
     def __init__(self, model: PreTrainedModel, max_len: int = 4096):
-        _check_supported(model, max_len)
+        self.plan = check_model(model, max_len)  # refuses, with the reason, what a tree mask cannot express
         config = model.config.get_text_config()
         self.model = model
         self.max_len = max_len
@@ -151,14 +134,17 @@ class ModelRunner:
         # rsd.tree wants one root: prepend a virtual root standing for the last committed token.
         tree_parents = torch.tensor([-1] + [p + 1 for p in all_parents])  # [1 + T]
         new_rows = tree_attention_mask(tree_parents)[1 + num_old :, 1:]  # [n, T] bool
-        depths = node_depths(tree_parents)[1 + num_old :] - 1  # [n]
+        tentative_pos = self.cache_len + node_depths(tree_parents)[1:] - 1  # [T]
 
         n, kv_len = len(parents), self.cache_len + len(all_parents)
-        # Float additive mask: eager attention adds a bool mask as +1/+0, which is silently wrong.
-        # Every new token sees the whole committed prefix (zeros); only the tentative part varies.
-        mask = torch.zeros(1, 1, n, kv_len, dtype=self.dtype, device=self.device)  # [1, 1, n, cache_len + T]
-        mask[0, 0, :, self.cache_len :].masked_fill_(~new_rows.to(self.device), torch.finfo(self.dtype).min)
-        position_ids = (self.cache_len + depths)[None]  # [1, n]
+        # Every new token sees the whole committed prefix; only the tentative part varies.
+        allowed = torch.ones(n, kv_len, dtype=torch.bool)  # [n, cache_len + T]
+        allowed[:, self.cache_len :] = new_rows
+        key_pos = torch.cat([torch.arange(self.cache_len), tentative_pos])  # [cache_len + T]
+        position_ids = tentative_pos[num_old:][None]  # [1, n]
+        dev = self.device
+        # Float additive masks (eager adds a bool mask as +1/+0, silently wrong), windows by position.
+        mask = self.plan.masks(allowed.to(dev), position_ids[0].to(dev), key_pos.to(dev), self.dtype)
         try:
             out = self.model(
                 input_ids=token_ids.to(self.device, torch.long)[None],  # [1, n]

@@ -80,10 +80,12 @@ class ModelServiceConfig(ServiceConfig):
 
     # advertise_address is what the registry publishes ("" = host:port as bound).
     advertise_address: str = ""
-    # The model: a local folder (rsd_runtime.models.load_model), its device and dtype.
+    # The model: a local folder (rsd_runtime.models.load_model), its device and dtype, and its attention
+    # backend ("auto": sdpa where the architecture has it, else eager; tree forwards need one of the two).
     model: str = ""
     device: str = "cpu"
     dtype: str = "float32"
+    attn_implementation: str = "auto"
     # KV capacity per session, in tokens: committed prefix + one tree.
     max_len: int = 2048
     # Registry: "" = do not register; else a redis:// URL. The entry is refreshed every heartbeat_s
@@ -99,6 +101,7 @@ class ModelServiceConfig(ServiceConfig):
         return {
             **super().checks(),
             "max_len": self.max_len >= 2,
+            "attn_implementation": self.attn_implementation in ("auto", "sdpa", "eager"),
             "heartbeat_s": self.heartbeat_s > 0,
             "registration_ttl_s": self.registration_ttl_s > self.heartbeat_s,
             "threads": self.threads >= 0,

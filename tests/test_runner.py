@@ -201,15 +201,24 @@ def test_bad_commit_raises(busy_runner, keep):
     assert busy_runner.cache_len == 5
 
 
-def test_rejects_sliding_window_longer_than_max_len():
+def test_refuses_layers_a_tree_mask_cannot_express():
+    """Sliding windows are exact (tests/test_architectures.py); layers that are not attention, or
+    chunked attention, are refused with the reason rather than run with a wrong mask."""
+    from rsd_runtime.attention import UnsupportedModelError
+
     config = Qwen2Config(
         vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=1, use_sliding_window=True, sliding_window=8, max_window_layers=0,
     )  # fmt: skip
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    with pytest.raises(ValueError, match="sliding"):
+    assert ModelRunner(model, max_len=64).plan.windows == {"sliding_attention": 8}
+    model.config.layer_types = ["full_attention", "linear_attention"]
+    with pytest.raises(UnsupportedModelError, match="linear_attention"):
         ModelRunner(model, max_len=64)
-    ModelRunner(model, max_len=8)  # within the window one full mask is exact
+    model.config.layer_types = ["full_attention", "full_attention"]
+    model.config.attention_chunk_size = 4
+    with pytest.raises(UnsupportedModelError, match="chunked"):
+        ModelRunner(model, max_len=64)
 
 
 def test_tiny_pairs_are_deterministic_and_reused(tiny_root, tmp_path, pairs):

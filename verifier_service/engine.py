@@ -29,7 +29,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from rsd.acceptance import Rule, Verdict, verify
 from rsd.sampling import SamplingParams, logits_to_probs
 from rsd.tree import DraftTree, node_depths, tree_attention_mask, validate_tree
-from rsd_runtime.runner import _check_supported
+from rsd_runtime.attention import check_model
 
 
 class PoolFullError(RuntimeError):
@@ -147,7 +147,8 @@ class BatchedVerifier:
     def __init__(self, model: PreTrainedModel, num_slots: int, max_len: int):
         if num_slots < 1 or max_len < 1:
             raise ValueError(f"num_slots and max_len must be >= 1, got {num_slots} and {max_len}")
-        _check_supported(model, max_len)
+        # A packed forward holds up to every slot's keys: what a window by cache index must cover.
+        self.plan = check_model(model, num_slots * max_len)
         config = model.config.get_text_config()
         self.model, self.num_slots, self.max_len = model, num_slots, max_len
         self.vocab_size: int = config.vocab_size
@@ -240,21 +241,23 @@ class BatchedVerifier:
             pos.append(cached + torch.cat([torch.arange(m), m + node_depths(req.tree.parent_idx.cpu())]))  # [m + N]
             segments.append(_Segment(slot, cached, start, m + n))
             start, cache_off = start + m + n, cache_off + cached
-        total, device, dtype = start, self.model.device, self.model.dtype
-        neg = torch.finfo(dtype).min
-        # Float additive mask (eager adds a bool mask as +1/+0): [1, 1, T, Σcached + T], block-diagonal.
-        mask = torch.full((1, 1, total, cache_off + total), neg, dtype=dtype)
-        for seg, (off, cached, tree_rows) in zip(segments, rows, strict=True):
+        total, device = start, self.model.device
+        # Block-diagonal: a node of session i sees session i's cached prefix, chain and own ancestors only.
+        allowed = torch.zeros(total, cache_off + total, dtype=torch.bool)  # [T, Σcached + T]
+        for seg, (off, cached, own) in zip(segments, rows, strict=True):
             r = slice(seg.start, seg.start + seg.length)
-            mask[0, 0, r, off : off + cached] = 0
-            c = slice(cache_off + seg.start, cache_off + seg.start + seg.length)
-            mask[0, 0, r, c] = torch.zeros(tree_rows.shape, dtype=dtype).masked_fill_(~tree_rows, neg)
+            allowed[r, off : off + cached] = True
+            allowed[r, cache_off + seg.start : cache_off + seg.start + seg.length] = own
+        q_pos = torch.cat(pos)  # [T]
+        k_pos = torch.cat([torch.arange(seg.cached) for seg in segments] + [q_pos])  # [Σcached + T]
+        # Float additive masks (eager adds a bool mask as +1/+0), sliding windows by position.
+        mask = self.plan.masks(allowed.to(device), q_pos.to(device), k_pos.to(device), self.model.dtype)
         self.cache.segments = segments
         try:
             out = self.model(
                 input_ids=torch.tensor([ids], dtype=torch.long, device=device),  # [1, T]
-                attention_mask=mask.to(device),
-                position_ids=torch.cat(pos)[None].to(device),  # [1, T]
+                attention_mask=mask,
+                position_ids=q_pos[None].to(device),  # [1, T]
                 cache=self.cache,
                 use_cache=True,
             )

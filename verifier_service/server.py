@@ -18,6 +18,7 @@ import torch
 from grpc_health.v1 import health
 
 from gateway.store import RedisSessionStore, ServiceInfo
+from rsd_runtime.attention import UnsupportedModelError
 from rsd_runtime.metrics import VerifierMetrics
 from rsd_runtime.models import load_model
 from rsd_runtime.serving import (
@@ -80,7 +81,9 @@ async def create_server(
     if model is None:
         if not config.model:
             raise ValueError("--model is required: a local folder holding the target model")
-        model = await asyncio.to_thread(load_model, config.model, config.device, config.dtype)
+        model = await asyncio.to_thread(
+            load_model, config.model, config.device, config.dtype, config.attn_implementation
+        )
     engine = BatchedVerifier(model, config.num_slots, config.max_len)
     batcher = Batcher(engine, config.max_batch_nodes, config.batch_wait_ms, config.batching)
     servicer = VerifierServicer(engine, batcher, config.verifier_id, config.max_tree_nodes, config.attach_grace_s)
@@ -116,4 +119,8 @@ async def serve(config: VerifierConfig) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     config = load_config(VerifierConfig, "verifier", sys.argv[1:] if argv is None else argv)
     setup_logging(config.log_format)
-    asyncio.run(serve(config))
+    try:
+        asyncio.run(serve(config))
+    except UnsupportedModelError as e:  # refuse to start, with the reason, rather than serve a wrong law
+        log.error("cannot serve %s exactly: %s", config.model, e)
+        raise SystemExit(f"verifier: cannot serve {config.model} exactly: {e}") from None

@@ -1,0 +1,140 @@
+"""Which attention a model's layers need, decided once at load, and the 4-D masks that give it exactly.
+
+Tree forwards (rsd_runtime.runner) and the verifier's packed batches (verifier_service.engine) hand the
+model their own float mask: a query sees its committed prefix and its own tree ancestors. A key's
+slot in the cache is not its position (siblings share a position; the verifier packs many sessions),
+so every rule that depends on positions is applied here, by position:
+    full attention      allowed
+    sliding window W    allowed and q_pos - k_pos < W   (transformers' sliding_window_overlay)
+How a model takes its masks:
+    one mask            every layer gets the same tensor (uniform models, Mistral-style windows)
+    by layer type       {"full_attention": ..., "sliding_attention": ...}: models whose forward accepts
+                        a dict (Gemma2/3, Qwen2/3 with sliding layers, Cohere2, ...)
+
+check_model() refuses, with the reason, what no mask can express: ALiBi biases computed from the cache
+layout (Bloom, MPT, Falcon with alibi), GPT-Neo's local layers (windowed by cache index), chunked or
+non-attention layers, and attention backends that ignore a float mask. A refusal is an answer; a
+wrong token is not.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel
+
+# Backends that add our 4-D float mask as is (flash/flex ignore it or want a BlockMask).
+MASKED_ATTENTION = ("sdpa", "eager")
+_LAYER_WINDOWED = "sliding_attention"
+_LAYER_FULL = "full_attention"
+
+
+class UnsupportedModelError(ValueError):
+    """The model cannot be run exactly by tree attention; the message says why."""
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """How to mask a model's tree forwards. `windows` maps each mask key to its sliding window (None:
+    full causal); with `by_layer_type` the model takes a dict of masks, else the single key's mask."""
+
+    windows: dict[str, int | None]
+    by_layer_type: bool
+
+    def masks(self, allowed: Tensor, q_pos: Tensor, k_pos: Tensor, dtype: torch.dtype) -> Tensor | dict[str, Tensor]:
+        """Additive float masks [1, 1, n, kv] from `allowed` [n, kv] bool (True = may attend), the
+        queries' positions q_pos [n] and the keys' positions k_pos [kv] (all on the model's device)."""
+        neg = torch.finfo(dtype).min
+        out = {}
+        for key, window in self.windows.items():
+            ok = allowed if window is None else allowed & (q_pos[:, None] - k_pos[None, :] < window)  # [n, kv]
+            out[key] = torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill_(~ok, neg)[None, None]
+        return out if self.by_layer_type else next(iter(out.values()))
+
+
+def check_model(model: PreTrainedModel, max_kv_len: int) -> AttentionPlan:
+    """The plan for tree forwards whose keys never number more than `max_kv_len`, or
+    UnsupportedModelError naming the architecture and the reason."""
+    config = model.config.get_text_config()
+    arch = f"{config.model_type} ({type(model).__name__})"
+    attn = model.config._attn_implementation
+    if attn not in MASKED_ATTENTION:
+        raise UnsupportedModelError(
+            f"{arch}: attn_implementation {attn!r} ignores a tree mask; load it with one of {MASKED_ATTENTION}"
+        )
+    _refuse_position_biases(config, arch)
+    _refuse_index_windows(config, arch, max_kv_len)
+    if getattr(config, "attention_chunk_size", None):
+        raise UnsupportedModelError(f"{arch}: chunked attention (attention_chunk_size) is not supported")
+
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        unknown = set(layer_types) - {_LAYER_FULL, _LAYER_WINDOWED}
+        if unknown:
+            raise UnsupportedModelError(
+                f"{arch}: layers of type {sorted(unknown)} cannot be run as a tree (only attention layers)"
+            )
+        if _LAYER_WINDOWED in layer_types and not window:
+            raise UnsupportedModelError(f"{arch}: sliding layers without a sliding_window in the config")
+        windows = {t: (window if t == _LAYER_WINDOWED else None) for t in dict.fromkeys(layer_types)}
+        if len(windows) == 1:
+            return AttentionPlan(windows, by_layer_type=False)
+        if not _takes_mask_dict(model):
+            raise UnsupportedModelError(
+                f"{arch}: mixes full and sliding layers but its forward takes one mask for all layers"
+            )
+        return AttentionPlan(windows, by_layer_type=True)
+    if window and _mentions(model, "sliding_window"):  # Mistral, Phi-3, Starcoder2, Mixtral: every layer
+        return AttentionPlan({_LAYER_WINDOWED: int(window)}, by_layer_type=False)
+    return AttentionPlan({_LAYER_FULL: None}, by_layer_type=False)
+
+
+def _refuse_position_biases(config, arch: str) -> None:
+    """ALiBi in transformers is built from the 2-D padding mask or the key index (Bloom, Falcon) or from
+    the key length alone (MPT): neither sees a tree's positions, so tree logits would be off."""
+    alibi = (
+        config.model_type in ("bloom", "mpt")
+        or getattr(config, "alibi", False)
+        or getattr(getattr(config, "attn_config", None), "alibi", False)
+        or getattr(config, "position_embedding_type", None) == "alibi"
+    )
+    if alibi:
+        raise UnsupportedModelError(
+            f"{arch}: ALiBi position biases are computed from the cache layout, not from token positions, "
+            "so a draft tree's logits would be silently wrong"
+        )
+
+
+def _refuse_index_windows(config, arch: str, max_kv_len: int) -> None:
+    """GPT-Neo's local layers mask by distance in the cache (a fixed lower-triangular band), which in a
+    tree or a packed batch is larger than the distance in positions: exact only while every key
+    fits in the window."""
+    types = getattr(config, "attention_layers", None) or []
+    size = getattr(config, "window_size", None)
+    if "local" in types and size is not None and max_kv_len > size:
+        raise UnsupportedModelError(
+            f"{arch}: local attention layers window by cache index (window_size {size}); "
+            f"exact only for at most {size} keys, this runner may hold {max_kv_len} (lower max_len)"
+        )
+
+
+def _module_source(model: PreTrainedModel) -> str:
+    module = sys.modules.get(type(model.base_model).__module__)
+    try:
+        return inspect.getsource(module) if module is not None else ""
+    except (OSError, TypeError):
+        return ""
+
+
+def _mentions(model: PreTrainedModel, word: str) -> bool:
+    return word in _module_source(model)
+
+
+def _takes_mask_dict(model: PreTrainedModel) -> bool:
+    """transformers' models with layer types accept {layer_type: mask} (`isinstance(..., dict)`)."""
+    return "attention_mask, dict)" in _module_source(model)
