@@ -23,7 +23,7 @@ from rsd_runtime import cli
 from rsd_runtime.client import RsdClient
 from rsd_runtime.cluster import ClusterSecurity, build_parser, cluster_security, run_generation, start_cluster
 from rsd_runtime.security import ClientSecurity, channel
-from rsd_wire import verifier_pb2, verifier_pb2_grpc
+from rsd_wire import common_pb2, verifier_pb2, verifier_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -224,6 +224,13 @@ class Lines:
                 return line
 
 
+def _ended(gen) -> bool:
+    """A turn that generated and ended normally (a re-prefill after a failover may round a near-tie of the
+    random tiny target differently, so the exact tokens, and whether EOS comes early, are not checked)."""
+    reasons = (common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_EOS)
+    return bool(gen.token_ids) and gen.finished is not None and gen.finished.reason in reasons
+
+
 def test_keep_running_restarts_a_killed_verifier(tmp_path):
     argv = ["--tiny", "--cache-dir", str(tmp_path / "models"), "--run-dir", str(tmp_path / "run"), "--threads", "1"]
     argv += ["--verifiers", "2", "--keep-running", "--max-restarts", "1", "--no-generate", "--start-timeout-s", "240"]
@@ -254,16 +261,16 @@ def test_keep_running_restarts_a_killed_verifier(tmp_path):
             line = out.until(rf"^\[cluster\] {victim} \(pid {pids[victim]}\) exited with signal 9")
             # the session continues on a live verifier (failover), the rest of the cluster never stopped
             more = client.generate("w5 w6", session_id=first.session_id, temperature=0.0, max_new_tokens=4).wait()
-            assert len(more.token_ids) == 4 and more.finished.committed_length_tokens == 3 + 4 + 2 + 4
+            assert _ended(more) and more.started.start_position == len(first.token_ids) + 3 + 2
             name, new_pid, _ = _RESTARTED.match(out.until(rf"^\[cluster\] {victim} restarted")).groups()
             assert name == victim and int(new_pid) != pids[victim]
             os.kill(int(new_pid), 0)  # alive
             again = client.generate("w7 w8", temperature=0.0, max_new_tokens=4).wait()
-            assert len(again.token_ids) == 4
+            assert _ended(again)
             os.kill(int(new_pid), signal.SIGKILL)  # past --max-restarts 1: it stays down, the rest serve on
             out.until(rf"^\[cluster\] {victim} stays down \(--max-restarts 1\)")
             last = client.generate("w9", session_id=again.session_id, max_new_tokens=4).wait()
-            assert len(last.token_ids) == 4
+            assert _ended(last)
         launcher.send_signal(signal.SIGTERM)
         assert launcher.wait(120) == 0
         out.until(r"^\[cluster\] stopped in")
@@ -272,6 +279,7 @@ def test_keep_running_restarts_a_killed_verifier(tmp_path):
                 os.kill(pid, 0)
         assert line
     finally:
+        print("launcher output:", *out.seen, sep="\n")  # shown when the test fails
         if launcher.poll() is None:
             launcher.send_signal(signal.SIGTERM)
             try:
