@@ -47,8 +47,12 @@ class GatewayConfig(PeerTLSConfig, ServiceConfig):
     resume_poll_s: float = 0.05  # a resumed stream following another gateway's turn polls the store
     # A running turn refreshes its session every turn_lease_s / 3 (the store's updated_unix_ms); a RUNNING
     # session not refreshed for turn_lease_s lost its gateway, and a resume on any gateway takes the turn
-    # over with a new epoch.
+    # over with a new epoch, and so does the orphan sweep. Lease times are compared by the store's clock
+    # (Redis TIME), never the gateways' wall clocks.
     turn_lease_s: float = 5.0
+    # Every orphan_sweep_s the gateway takes over the RUNNING turns whose lease expired (their gateway died
+    # and no client resumed them), so they finish; one that cannot start (no live service) is FAILED. 0 = off.
+    orphan_sweep_s: float = 2.0
     # How long a store call is retried while Redis is unreachable (a restart) before the turn fails UNAVAILABLE.
     store_retry_s: float = 15.0
     # A turn generating longer than this ends with DEADLINE_EXCEEDED; the tokens it committed stay in
@@ -78,6 +82,7 @@ class GatewayConfig(PeerTLSConfig, ServiceConfig):
             "max_running_turns": self.max_running_turns >= 1,
             "max_failovers": self.max_failovers >= 0,
             "turn_lease_s": self.turn_lease_s > 0,
+            "orphan_sweep_s": self.orphan_sweep_s >= 0,
             "store_retry_s": self.store_retry_s > 0,
             "request_timeout_s": self.request_timeout_s >= 0,
             "http_port": -1 <= self.http_port < 65536,

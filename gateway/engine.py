@@ -13,7 +13,12 @@ One Generate call ("a turn"):
        chosen, a new epoch begun, and Run called again from the committed tokens in the store. Only
        tokens the store accepted were streamed, so the client sees no gap and no repeat.
 A resume (session_id without input) replays the committed tokens and follows the running turn by
-polling the store, so it works on any gateway.
+polling the store, so it works on any gateway; it ends with the finish reason the store kept.
+
+Leases: a running turn renews its session's lease (updated_unix_ms, stamped by the store's clock) every
+turn_lease_s / 3. A RUNNING session whose lease is older than turn_lease_s on the store's clock lost its
+gateway: a resume takes it over, and so does every gateway's orphan sweep (every orphan_sweep_s), so an
+orphaned turn finishes (or fails, when no drafter / verifier is live) even if no client comes back.
 
 The continued session sticks to the verifier in its KV location while that verifier is alive, so
 the verifier keeps (and crops to) the cache it already holds.
@@ -74,10 +79,20 @@ _STATUS_TO_PROTO = {
 }
 
 
-def _lease_expired(record: SessionRecord, lease_s: float) -> bool:
-    """No gateway has refreshed the session's running turn for lease_s (GatewayConfig.turn_lease_s; wall
-    clocks of the gateways are compared: keep them in sync, as any lease does)."""
-    return time.time() * 1000 - record.updated_unix_ms > lease_s * 1000
+def _lease_expired(record: SessionRecord, lease_s: float, now_ms: int) -> bool:
+    """No gateway has refreshed the session's running turn for lease_s (GatewayConfig.turn_lease_s), by the
+    store's clock: now_ms is store.now_ms(), the clock that stamped updated_unix_ms."""
+    return now_ms - record.updated_unix_ms > lease_s * 1000
+
+
+def finish_reason_name(reason: int) -> str:
+    """FINISH_REASON_EOS -> "eos": how the store keeps it (the store knows no protos)."""
+    return common_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
+
+
+def finish_reason_value(name: str) -> int:
+    """ "eos" -> FINISH_REASON_EOS; "" (not finished, or failed) -> FINISH_REASON_UNSPECIFIED."""
+    return common_pb2.FinishReason.Value(f"FINISH_REASON_{name.upper()}") if name else 0
 
 
 class RequestError(ValueError):
@@ -274,6 +289,7 @@ def session_to_proto(record: SessionRecord, include_token_ids: bool) -> gateway_
         ),
         created_unix_ms=record.created_unix_ms,
         updated_unix_ms=record.updated_unix_ms,
+        last_finish_reason=finish_reason_value(record.finish_reason),
     )
     if record.params:
         msg.params.CopyFrom(params_to_proto(record.params))
@@ -407,6 +423,7 @@ class GatewayEngine:
         self.services = ServiceDirectory(store, config)
         self.channels = Channels(security.peer_security(config))
         self._turns: dict[str, _Turn] = {}
+        self._sweeper: asyncio.Task | None = None
 
     async def _store(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """A store call in a thread, retried while Redis is unreachable (e.g. restarting) for store_retry_s.
@@ -493,7 +510,9 @@ class GatewayEngine:
         msg_params = request.params if request.HasField("params") else None
         if request.session_id:
             record = await self._store(self.store.get_session, request.session_id)
-            running = record.status == SessionStatus.RUNNING and not _lease_expired(record, self.config.turn_lease_s)
+            running = record.status == SessionStatus.RUNNING and not _lease_expired(
+                record, self.config.turn_lease_s, await self._store(self.store.now_ms)
+            )
             if running or request.session_id in self._turns:  # an expired lease: its gateway died, go on
                 raise SessionBusy(f"session {request.session_id!r} is already generating")
             params = merge_params(record.params, msg_params)
@@ -561,7 +580,7 @@ class GatewayEngine:
     async def _drive(self, turn: _Turn) -> None:
         """The turn, in the background: runs, failovers, the final status; events go to turn.events."""
         t0 = time.perf_counter()  # the caller holds turn.drafter and turn.verifier (ServiceDirectory.hold)
-        status = SessionStatus.FAILED
+        status, reason = SessionStatus.FAILED, common_pb2.FINISH_REASON_UNSPECIFIED
         lease = asyncio.create_task(self._keep_lease(turn), name=f"lease-{turn.session_id}")
         try:
             reason, position, num_steps = await self._run_turn_in_time(turn)
@@ -590,7 +609,13 @@ class GatewayEngine:
             self.services.hold((turn.drafter, turn.verifier), -1)
             self._turns.pop(turn.session_id, None)
             with contextlib.suppress(SessionConflict, SessionNotFound):
-                await self._store(self.store.update_session, turn.session_id, status=status, epoch=turn.epoch)
+                await self._store(
+                    self.store.update_session,
+                    turn.session_id,
+                    status=status,
+                    finish_reason=finish_reason_name(reason) if reason else "",
+                    epoch=turn.epoch,
+                )
             if status == SessionStatus.CANCELLED:
                 await self._release(turn.verifier, turn.session_id, turn.epoch)
 
@@ -626,6 +651,53 @@ class GatewayEngine:
         turn.task = asyncio.create_task(self._drive(turn), name=f"turn-{turn.session_id}")
         log.warning("session %s: took over a turn with a stale lease, epoch %d", turn.session_id, epoch)
 
+    # -- orphaned turns ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the orphan sweep (every orphan_sweep_s; 0 = off). Call on the server's event loop."""
+        if self.config.orphan_sweep_s and self._sweeper is None:
+            self._sweeper = asyncio.create_task(self._sweep_forever(), name="orphan-sweep")
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.orphan_sweep_s)
+            try:
+                await self.sweep_orphans()
+            except Exception as e:  # the store is away for a moment: the next sweep retries
+                log.warning("orphan sweep failed: %s", e)
+
+    async def sweep_orphans(self) -> list[str]:
+        """Take over every RUNNING turn of another gateway whose lease expired (on the store's clock), so it
+        finishes without a client; fail it when no drafter or verifier is live. -> the sessions handled."""
+        handled = []
+        now_ms = await self._store(self.store.now_ms)
+        for session_id in await self._store(self.store.running_sessions):
+            if session_id in self._turns or len(self._turns) >= self.config.max_running_turns:
+                continue
+            try:
+                record = await self._store(self.store.get_session, session_id)
+            except SessionNotFound:
+                continue
+            if record.status != SessionStatus.RUNNING or not _lease_expired(record, self.config.turn_lease_s, now_ms):
+                continue
+            try:
+                await self._take_over(record)
+            except Overloaded as e:
+                await self._fail_orphan(record, str(e))
+            handled.append(session_id)
+        return handled
+
+    async def _fail_orphan(self, record: SessionRecord, why: str) -> None:
+        """Claim the orphan with a new epoch (so a late write of its old run is refused), then mark it FAILED."""
+        try:
+            epoch = await self._store(
+                self.store.begin_epoch, record.session_id, record.epoch, record.drafter_id, record.verifier_id
+            )
+            await self._store(self.store.update_session, record.session_id, status=SessionStatus.FAILED, epoch=epoch)
+        except (SessionConflict, SessionNotFound):
+            return  # another gateway took it first, or it expired
+        log.warning("session %s: orphaned turn failed: %s", record.session_id, why)
+
     async def _run_turn_in_time(self, turn: _Turn) -> tuple[int, int, int]:
         """_run_turn within request_timeout_s; past it the run is cancelled (closing the Run stream stops the
         drafter) and the turn fails DEADLINE_EXCEEDED. What it committed stays in the session."""
@@ -644,6 +716,8 @@ class GatewayEngine:
         state = _Progress(
             len(committed), Detokenizer(self.tokenizer, committed), StopFilter(turn.params["stop_sequences"])
         )
+        if state.position > turn.turn_start and committed[-1] in self.eos_token_ids:
+            return common_pb2.FINISH_REASON_EOS, state.position, state.num_steps  # a taken-over turn that had ended
         failovers = 0
         while True:
             remaining = int(turn.params["max_new_tokens"]) - (state.position - turn.turn_start)
@@ -810,7 +884,9 @@ class GatewayEngine:
             record = await self._store(self.store.get_session, record.session_id)
             if record.status != SessionStatus.RUNNING and record.committed_length == position:
                 break
-            orphaned = record.status == SessionStatus.RUNNING and _lease_expired(record, self.config.turn_lease_s)
+            orphaned = record.status == SessionStatus.RUNNING and _lease_expired(
+                record, self.config.turn_lease_s, await self._store(self.store.now_ms)
+            )
             if orphaned and record.session_id not in self._turns:  # its gateway died: continue the turn here
                 await self._take_over(record)
             await asyncio.sleep(self.config.resume_poll_s)
@@ -819,11 +895,9 @@ class GatewayEngine:
             yield gateway_pb2.GenerateEvent(
                 session_id=record.session_id, delta=gateway_pb2.TokenDelta(start_position=position, text=tail)
             )
-        reason = (
-            common_pb2.FINISH_REASON_CANCELLED
-            if record.status == SessionStatus.CANCELLED
-            else common_pb2.FINISH_REASON_UNSPECIFIED  # the store does not keep why a turn ended
-        )
+        reason = finish_reason_value(record.finish_reason)  # UNSPECIFIED for a failed turn
+        if record.status == SessionStatus.CANCELLED:
+            reason = common_pb2.FINISH_REASON_CANCELLED  # also a record written before finish reasons were kept
         yield gateway_pb2.GenerateEvent(
             session_id=record.session_id,
             finished=gateway_pb2.GenerationFinished(
@@ -880,5 +954,10 @@ class GatewayEngine:
                 task.cancel()
 
     async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+            self._sweeper = None
         await self.drain(0.0)
         await self.channels.close()

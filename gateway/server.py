@@ -75,6 +75,7 @@ async def create_server(
     store = store if store is not None else make_store(config)
     tokenizer = tokenizer if tokenizer is not None else load_gateway_tokenizer(config)
     engine = GatewayEngine(config, store, tokenizer)
+    engine.start()
     servicer = GatewayServicer(engine)
     metrics = GatewayMetrics(engine)
     server, port, health = await start_service(

@@ -5,8 +5,8 @@
 
 A session (SessionRecord) is its first prompt, the committed sequence (prompt, later turns and
 generated tokens: the token at absolute position t is committed_ids[t]), the generation params
-(an opaque JSON object to the store), a status, the drafter and verifier of its current run,
-and the KV location {verifier_id, length, epoch}.
+(an opaque JSON object to the store), a status, why its last turn finished, the drafter and verifier
+of its current run, and the KV location {verifier_id, length, epoch}.
 
 The epoch names the current run. begin_epoch() starts a new run (a new drafter/verifier pair,
 e.g. after a failure) by compare-and-set on the epoch; every later write of the old run is
@@ -14,15 +14,22 @@ refused. append_tokens(position, epoch) commits only when `position` is the comm
 and `epoch` is current, atomically, so a retried or late step can neither duplicate tokens nor
 leave a gap: the caller gets SessionConflict with the stored length and epoch instead.
 
+Clock: updated_unix_ms (the turn lease gateways compare) and created_unix_ms are stamped by the
+store's own clock, and now_ms() reads that clock: Redis `TIME` (inside the scripts too), so the
+gateways' wall clocks never meet; the in-memory store its `clock`, which a test can inject.
+
 Redis layout, under a namespace (default "rsd"); ids are [A-Za-z0-9._-], so keys cannot collide:
-    {ns}:session:{id}          hash: prompt_ids, params, status, drafter_id, verifier_id,
+    {ns}:session:{id}          hash: prompt_ids, params, status, finish_reason, drafter_id, verifier_id,
                                kv_verifier_id, kv_length, epoch, created_unix_ms, updated_unix_ms
     {ns}:session:{id}:tokens   string: the committed ids packed as little-endian uint32, so the
                                committed length is STRLEN / 4 and an append is one APPEND
     {ns}:service:{role}:{id}   string: a ServiceInfo as JSON; expires unless heartbeated
     {ns}:services:{role}       set: ids of the role's registered services, pruned when listed
-Every key has a TTL: a session's two keys get session_ttl_s again on every write; a service key
-its heartbeat's ttl_s. Each multi-step operation is one Lua script, so it is atomic.
+    {ns}:running               set: hash keys of the RUNNING sessions (the gateways' orphan sweep reads
+                               it), kept by the session scripts, pruned when listed
+Every key has a TTL: a session's two keys get session_ttl_s again on every write (the running set
+too, while it gains members); a service key its heartbeat's ttl_s. Each multi-step operation is one
+Lua script, so it is atomic.
 
 The store is synchronous (redis-py): from asyncio code call it through asyncio.to_thread.
 """
@@ -68,8 +75,9 @@ class SessionRecord:
     drafter_id: str
     verifier_id: str
     kv: KvLocation
-    created_unix_ms: int
-    updated_unix_ms: int
+    created_unix_ms: int  # the store's clock
+    updated_unix_ms: int  # the store's clock; a running turn's lease (every write renews it)
+    finish_reason: str = ""  # why the last turn ended ("length", "eos", ...; the gateway's names); "" = not yet
 
     @property
     def epoch(self) -> int:
@@ -131,7 +139,7 @@ class SessionStore(Protocol):
 
     def begin_epoch(self, session_id: str, expected_epoch: int, drafter_id: str, verifier_id: str) -> int:
         """Start a new run iff the epoch is `expected_epoch` (else SessionConflict): epoch + 1, status
-        RUNNING, the run's drafter and verifier, KV location on that verifier (length kept if it is
+        RUNNING, no finish reason, the run's drafter and verifier, KV location on that verifier (length kept if it is
         the same verifier, else 0). Returns the new epoch."""
         ...
 
@@ -146,11 +154,21 @@ class SessionStore(Protocol):
         status: SessionStatus | None = None,
         params: Mapping[str, Any] | None = None,
         epoch: int | None = None,
+        finish_reason: str | None = None,
     ) -> None:
-        """Set the given fields; with `epoch`, only if it is current (else SessionConflict)."""
+        """Set the given fields; with `epoch`, only if it is current (else SessionConflict). Any write renews
+        updated_unix_ms."""
         ...
 
     def delete_session(self, session_id: str) -> bool: ...
+
+    def now_ms(self) -> int:
+        """The store's clock (unix ms): the one updated_unix_ms is stamped with."""
+        ...
+
+    def running_sessions(self) -> list[str]:
+        """Ids of the sessions whose status is RUNNING, sorted."""
+        ...
 
     def register_service(self, info: ServiceInfo, ttl_s: float) -> None:
         """Register or heartbeat: the entry lives ttl_s seconds after the latest call."""
@@ -212,49 +230,73 @@ def _epoch_refused(epoch: int | None) -> str:
     return f"write expecting epoch {epoch} refused"
 
 
-def _now_ms() -> int:
-    return int(time.time() * 1000)
+def _check_finish_reason(reason: str) -> str:
+    if not isinstance(reason, str) or (reason and not re.fullmatch(r"[a-z_]{1,32}", reason)):
+        raise ValueError(f"finish_reason must be 1-32 characters of [a-z_] or empty, got {reason!r}")
+    return reason
 
 
 # ---------------------------------------------------------------------------------------------
 # Redis
 
-# Every session script: KEYS = [hash, tokens]; returns {code, committed_length, epoch} with
-# code 1 = done, 0 = conflict, -1 = no such session.
-_SESSION_STATE = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return {-1, 0, 0} end
-local epoch = tonumber(redis.call('HGET', KEYS[1], 'epoch'))
-local length = math.floor(redis.call('STRLEN', KEYS[2]) / 4)
-local function touch(now_ms, ttl_ms)
-  redis.call('HSET', KEYS[1], 'updated_unix_ms', now_ms)
-  redis.call('PEXPIRE', KEYS[1], ttl_ms)
-  redis.call('PEXPIRE', KEYS[2], ttl_ms)
+# The store's clock, in unix ms: Redis TIME (allowed before writes: Redis 7 replicates a script's effects).
+_NOW_MS = """
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 """
 
-# ARGV: prompt (packed), params, status, now_ms, ttl_ms
-_CREATE = """
+# Every session script: KEYS = [hash, tokens, running set]; returns {code, committed_length, epoch}
+# with code 1 = done, 0 = conflict, -1 = no such session. touch() renews the lease (updated_unix_ms)
+# and the TTLs, and keeps the session's membership of the running set.
+_SESSION_STATE = (
+    _NOW_MS
+    + """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {-1, 0, 0} end
+local epoch = tonumber(redis.call('HGET', KEYS[1], 'epoch'))
+local length = math.floor(redis.call('STRLEN', KEYS[2]) / 4)
+local function touch(ttl_ms)
+  redis.call('HSET', KEYS[1], 'updated_unix_ms', now_ms())
+  redis.call('PEXPIRE', KEYS[1], ttl_ms)
+  redis.call('PEXPIRE', KEYS[2], ttl_ms)
+  if redis.call('HGET', KEYS[1], 'status') == 'running' then
+    redis.call('SADD', KEYS[3], KEYS[1])
+    if redis.call('PTTL', KEYS[3]) < tonumber(ttl_ms) then redis.call('PEXPIRE', KEYS[3], ttl_ms) end
+  else
+    redis.call('SREM', KEYS[3], KEYS[1])
+  end
+end
+"""
+)
+
+# ARGV: prompt (packed), params, status, ttl_ms
+_CREATE = (
+    _NOW_MS
+    + """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-redis.call('HSET', KEYS[1], 'prompt_ids', ARGV[1], 'params', ARGV[2], 'status', ARGV[3],
+local now = now_ms()
+redis.call('HSET', KEYS[1], 'prompt_ids', ARGV[1], 'params', ARGV[2], 'status', ARGV[3], 'finish_reason', '',
   'drafter_id', '', 'verifier_id', '', 'kv_verifier_id', '', 'kv_length', 0, 'epoch', 0,
-  'created_unix_ms', ARGV[4], 'updated_unix_ms', ARGV[4])
-redis.call('PEXPIRE', KEYS[1], ARGV[5])
-redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[5])
+  'created_unix_ms', now, 'updated_unix_ms', now)
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[4])
 return 1
 """
+)
 
-# ARGV: position, epoch, tokens (packed), now_ms, ttl_ms
+# ARGV: position, epoch, tokens (packed), ttl_ms
 _APPEND = (
     _SESSION_STATE
     + """
 if epoch ~= tonumber(ARGV[2]) or length ~= tonumber(ARGV[1]) then return {0, length, epoch} end
 redis.call('APPEND', KEYS[2], ARGV[3])
-touch(ARGV[4], ARGV[5])
+touch(ARGV[4])
 return {1, length + math.floor(#ARGV[3] / 4), epoch}
 """
 )
 
-# ARGV: expected_epoch, drafter_id, verifier_id, running status, now_ms, ttl_ms
+# ARGV: expected_epoch, drafter_id, verifier_id, running status, ttl_ms
 _BEGIN_EPOCH = (
     _SESSION_STATE
     + """
@@ -264,22 +306,35 @@ if redis.call('HGET', KEYS[1], 'kv_verifier_id') == ARGV[3] then
   kv_length = redis.call('HGET', KEYS[1], 'kv_length')
 end
 redis.call('HSET', KEYS[1], 'epoch', epoch + 1, 'drafter_id', ARGV[2], 'verifier_id', ARGV[3],
-  'kv_verifier_id', ARGV[3], 'kv_length', kv_length, 'status', ARGV[4])
-touch(ARGV[5], ARGV[6])
+  'kv_verifier_id', ARGV[3], 'kv_length', kv_length, 'status', ARGV[4], 'finish_reason', '')
+touch(ARGV[5])
 return {1, length, epoch + 1}
 """
 )
 
-# ARGV: epoch or '' (any), now_ms, ttl_ms, then field, value pairs
+# ARGV: epoch or '' (any), ttl_ms, then field, value pairs
 _UPDATE = (
     _SESSION_STATE
     + """
 if ARGV[1] ~= '' and tonumber(ARGV[1]) ~= epoch then return {0, length, epoch} end
-for i = 4, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
-touch(ARGV[2], ARGV[3])
+for i = 3, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+touch(ARGV[2])
 return {1, length, epoch}
 """
 )
+
+# KEYS: [running set]. Its members (session hash keys) still RUNNING; drops the others (finished, expired).
+_LIST_RUNNING = """
+local out = {}
+for _, key in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  if redis.call('HGET', key, 'status') == 'running' then
+    table.insert(out, key)
+  else
+    redis.call('SREM', KEYS[1], key)
+  end
+end
+return out
+"""
 
 # KEYS: [index set, service key]; ARGV: service_id, info json, ttl_ms
 _REGISTER = """
@@ -319,6 +374,8 @@ class RedisSessionStore:
         self._update = client.register_script(_UPDATE)
         self._register = client.register_script(_REGISTER)
         self._list = client.register_script(_LIST)
+        self._list_running = client.register_script(_LIST_RUNNING)
+        self._running_key = f"{namespace}:running"
 
     @classmethod
     def from_url(cls, url: str, namespace: str = "rsd", session_ttl_s: float = 24 * 3600.0) -> RedisSessionStore:
@@ -335,7 +392,7 @@ class RedisSessionStore:
 
     def _run(self, script: Script, session_id: str, args: list[Any], refused: str) -> tuple[int, int]:
         """Run a session script; raise on a missing session or a conflict; return (length, epoch)."""
-        code, length, epoch = script(keys=self.session_keys(session_id), args=args)
+        code, length, epoch = script(keys=[*self.session_keys(session_id), self._running_key], args=args)
         if code == -1:
             raise SessionNotFound(session_id)
         if code == 0:
@@ -344,7 +401,7 @@ class RedisSessionStore:
 
     def create_session(self, session_id: str, prompt_ids: Sequence[int], params: Mapping[str, Any]) -> SessionRecord:
         prompt = _check_tokens(prompt_ids, "prompt_ids")
-        args = [_pack(prompt), _params_json(params), SessionStatus.PENDING.value, _now_ms(), self.session_ttl_ms]
+        args = [_pack(prompt), _params_json(params), SessionStatus.PENDING.value, self.session_ttl_ms]
         if not self._create(keys=self.session_keys(session_id), args=args):
             raise SessionExists(session_id)
         return self.get_session(session_id)
@@ -367,6 +424,7 @@ class RedisSessionStore:
             kv=KvLocation(f["kv_verifier_id"].decode(), int(f["kv_length"]), int(f["epoch"])),
             created_unix_ms=int(f["created_unix_ms"]),
             updated_unix_ms=int(f["updated_unix_ms"]),
+            finish_reason=f.get("finish_reason", b"").decode(),
         )
 
     def get_tokens(self, session_id: str, start: int = 0) -> list[int]:
@@ -382,17 +440,17 @@ class RedisSessionStore:
         tokens = _check_tokens(tokens, "tokens")
         args = [_check_count("position", position), _check_count("epoch", epoch), _pack(tokens)]
         refused = _append_refused(position, epoch)
-        return self._run(self._append, session_id, [*args, _now_ms(), self.session_ttl_ms], refused)[0]
+        return self._run(self._append, session_id, [*args, self.session_ttl_ms], refused)[0]
 
     def begin_epoch(self, session_id: str, expected_epoch: int, drafter_id: str, verifier_id: str) -> int:
         _check_id("drafter_id", drafter_id)
         _check_id("verifier_id", verifier_id)
         args = [_check_count("expected_epoch", expected_epoch), drafter_id, verifier_id, SessionStatus.RUNNING.value]
         refused = _epoch_refused(expected_epoch)
-        return self._run(self._begin_epoch, session_id, [*args, _now_ms(), self.session_ttl_ms], refused)[1]
+        return self._run(self._begin_epoch, session_id, [*args, self.session_ttl_ms], refused)[1]
 
     def set_kv_length(self, session_id: str, epoch: int, length: int) -> None:
-        args = [_check_count("epoch", epoch), _now_ms(), self.session_ttl_ms]
+        args = [_check_count("epoch", epoch), self.session_ttl_ms]
         self._run(self._update, session_id, [*args, "kv_length", _check_count("length", length)], _epoch_refused(epoch))
 
     def update_session(
@@ -402,17 +460,31 @@ class RedisSessionStore:
         status: SessionStatus | None = None,
         params: Mapping[str, Any] | None = None,
         epoch: int | None = None,
+        finish_reason: str | None = None,
     ) -> None:
         pairs: list[Any] = []
         if status is not None:
             pairs += ["status", SessionStatus(status).value]
         if params is not None:
             pairs += ["params", _params_json(params)]
+        if finish_reason is not None:
+            pairs += ["finish_reason", _check_finish_reason(finish_reason)]
         check = "" if epoch is None else _check_count("epoch", epoch)
-        self._run(self._update, session_id, [check, _now_ms(), self.session_ttl_ms, *pairs], _epoch_refused(epoch))
+        self._run(self._update, session_id, [check, self.session_ttl_ms, *pairs], _epoch_refused(epoch))
 
     def delete_session(self, session_id: str) -> bool:
-        return self.client.delete(*self.session_keys(session_id)) > 0
+        hash_key, tokens_key = self.session_keys(session_id)
+        pipe = self.client.pipeline(transaction=True)
+        deleted, _ = pipe.delete(hash_key, tokens_key).srem(self._running_key, hash_key).execute()
+        return deleted > 0
+
+    def now_ms(self) -> int:
+        seconds, micros = self.client.time()
+        return seconds * 1000 + micros // 1000
+
+    def running_sessions(self) -> list[str]:
+        prefix = f"{self.namespace}:session:"
+        return sorted(key.decode().removeprefix(prefix) for key in self._list_running(keys=[self._running_key]))
 
     def register_service(self, info: ServiceInfo, ttl_s: float) -> None:
         _check_id("role", info.role)
@@ -451,12 +523,11 @@ class MemorySessionStore:
     """SessionStore in this process's memory, same semantics as RedisSessionStore (TTLs included).
     For a single-process run only: nothing is shared or survives the process."""
 
-    def __init__(self, session_ttl_s: float = 24 * 3600.0, clock: Callable[[], float] = time.monotonic):
-        """clock: seconds on a monotonic clock, for the TTLs (tests pass a fake one)."""
+    def __init__(self, session_ttl_s: float = 24 * 3600.0, clock: Callable[[], float] = time.time):
+        """clock: the store's one clock in unix seconds: stamps, now_ms and TTLs (tests pass a fake one)."""
         if session_ttl_s <= 0:
             raise ValueError(f"session_ttl_s must be > 0, got {session_ttl_s}")
-        self.session_ttl_s = session_ttl_s
-        self._clock = clock
+        self.session_ttl_s, self.clock = session_ttl_s, clock
         self._sessions: dict[str, _Session] = {}
         self._services: dict[str, dict[str, tuple[ServiceInfo, float]]] = {}  # role -> id -> (info, expires_at)
         self._lock = threading.Lock()
@@ -465,7 +536,7 @@ class MemorySessionStore:
         """The live session (lock held), expired ones dropped."""
         _check_id("session_id", session_id)
         entry = self._sessions.get(session_id)
-        if entry is not None and entry.expires_at <= self._clock():
+        if entry is not None and entry.expires_at <= self.clock():
             del self._sessions[session_id]
             entry = None
         if entry is None:
@@ -473,8 +544,8 @@ class MemorySessionStore:
         return entry
 
     def _write(self, entry: _Session, **changes: Any) -> None:
-        entry.record = replace(entry.record, updated_unix_ms=_now_ms(), **changes)
-        entry.expires_at = self._clock() + self.session_ttl_s
+        entry.record = replace(entry.record, updated_unix_ms=self.now_ms(), **changes)
+        entry.expires_at = self.clock() + self.session_ttl_s
 
     def _conflict(self, entry: _Session, reason: str) -> SessionConflict:
         record = entry.record
@@ -490,7 +561,7 @@ class MemorySessionStore:
                 pass
             else:
                 raise SessionExists(session_id)
-            now = _now_ms()
+            now = self.now_ms()
             record = SessionRecord(
                 session_id,
                 prompt,
@@ -503,7 +574,7 @@ class MemorySessionStore:
                 now,
                 now,
             )
-            self._sessions[session_id] = _Session(record, params_json, self._clock() + self.session_ttl_s)
+            self._sessions[session_id] = _Session(record, params_json, self.clock() + self.session_ttl_s)
             return record
 
     def get_session(self, session_id: str) -> SessionRecord:
@@ -543,6 +614,7 @@ class MemorySessionStore:
                 drafter_id=drafter_id,
                 verifier_id=verifier_id,
                 kv=KvLocation(verifier_id, length, kv.epoch + 1),
+                finish_reason="",
             )
             return kv.epoch + 1
 
@@ -561,10 +633,13 @@ class MemorySessionStore:
         status: SessionStatus | None = None,
         params: Mapping[str, Any] | None = None,
         epoch: int | None = None,
+        finish_reason: str | None = None,
     ) -> None:
         changes: dict[str, Any] = {}
         if status is not None:
             changes["status"] = SessionStatus(status)
+        if finish_reason is not None:
+            changes["finish_reason"] = _check_finish_reason(finish_reason)
         params_json = None if params is None else _params_json(params)
         if epoch is not None:
             epoch = _check_count("epoch", epoch)
@@ -586,17 +661,29 @@ class MemorySessionStore:
             del self._sessions[session_id]
             return True
 
+    def now_ms(self) -> int:
+        return int(self.clock() * 1000)
+
+    def running_sessions(self) -> list[str]:
+        now = self.clock()
+        with self._lock:
+            return sorted(
+                sid
+                for sid, entry in self._sessions.items()
+                if entry.expires_at > now and entry.record.status == SessionStatus.RUNNING
+            )
+
     def register_service(self, info: ServiceInfo, ttl_s: float) -> None:
         _check_id("role", info.role)
         _check_id("service_id", info.service_id)
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
         with self._lock:
-            self._services.setdefault(info.role, {})[info.service_id] = (info, self._clock() + ttl_s)
+            self._services.setdefault(info.role, {})[info.service_id] = (info, self.clock() + ttl_s)
 
     def list_services(self, role: str) -> list[ServiceInfo]:
         _check_id("role", role)
-        now = self._clock()
+        now = self.clock()
         with self._lock:
             live = {sid: entry for sid, entry in self._services.get(role, {}).items() if entry[1] > now}
             self._services[role] = live

@@ -3,6 +3,7 @@
     rsd generate [--tiny | --draft DIR --target DIR] --method rsd_s --shape 3x4 --prompt "def f(x):"
     rsd generate --server 127.0.0.1:7000 --prompt "def f(x):"   # through a running gateway
     rsd cluster [--tiny] [--keep-running]   # start redis, verifier, drafter, gateway as processes
+    rsd cluster --tiny --verifiers 2 --secure --keep-running   # any size, secured, restarting the dead
     rsd provision                       # fetch, hash-check and convert the real Qwen2.5-Coder pair
 
 Without --draft/--target, `generate` uses the real pair (provisioned on first use, then cached);
@@ -206,7 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     prov = sub.add_parser("provision", help="fetch, verify and convert the real Qwen2.5-Coder pair")
     prov.add_argument("--cache-dir", type=Path, default=None)
     sub.add_parser(
-        "cluster", add_help=False, help="start redis, verifier, drafter and gateway as processes (rsd cluster -h)"
+        "cluster",
+        add_help=False,
+        help="start redis, verifiers, drafters and gateways as processes, optionally secured (rsd cluster -h)",
     )
     sub.add_parser("bench", add_help=False, help="benchmark every method on one model pair (rsd bench -h)")
     args, rest = ap.parse_known_args(argv)

@@ -2,15 +2,28 @@
 
     rsd cluster --tiny                       # tiny random pair: seconds
     rsd cluster --keep-running               # the real Qwen2.5-Coder pair; Ctrl-C stops it
+    rsd cluster --tiny --verifiers 2 --drafters 2 --gateways 2 --keep-running   # failover, batching, the pool
+    rsd cluster --tiny --secure              # tokens + TLS/mTLS on every hop, throwaway certificates
     python scripts/cluster.py --tiny --prompt "w2 w10 w11"
 
-Processes, each `python -m <service>` with its log in the run directory:
-    redis-server   on a free port, no persistence   (only when `redis-server` is on PATH)
-    verifier       the target model                 (--verifier-id verifier-0)
-    drafter        the draft model                  (--drafter-id drafter-0)
-    gateway        the target's tokenizer           (the public API: gRPC, and OpenAI-compatible HTTP)
-With Redis the services register themselves and the gateway finds them in the registry; without
-it the gateway keeps sessions in its embedded store and is given the services' addresses.
+Processes, each `python -m <service>` with its log in the run directory (<name>.log):
+    redis          redis-server on a free port, no persistence   (only when `redis-server` is on PATH)
+    verifier-<i>   the target model     (--verifiers N, default 1; --verifier-id verifier-<i>)
+    drafter-<i>    the draft model      (--drafters M, default 1; --drafter-id drafter-<i>)
+    gateway-<i>    the target's tokenizer, the public API: gRPC, and OpenAI-compatible HTTP on a port of
+                   its own   (--gateways G, default 1; more need Redis)
+With Redis the services register themselves and the gateways find them in the registry; without
+it the one gateway keeps sessions in its embedded store and is given the services' addresses.
+
+Security (ClusterSecurity; off by default): --secure turns on whatever the flags below do not give,
+with throwaway files in <run dir>/secure: a CA with a server and a client certificate (rsd_runtime.pki),
+a random public token and a random internal token. Given files: --tls-cert/--tls-key/--tls-ca (every
+service serves TLS with that certificate, which must name 127.0.0.1; peers and the launcher verify it
+with the CA), --tls-client-cert/--tls-client-key (client certificate of the internal hops: mTLS),
+--public-mtls (the gateways require client certificates too), --auth-token-file, --internal-token-file.
+
+--keep-running keeps the cluster up until Ctrl-C / SIGTERM. A process that dies is reported, the rest
+keep serving, and it is restarted (same command, port and log) up to --max-restarts times.
 Stop: SIGTERM in reverse start order, then SIGKILL after --stop-timeout-s.
 """
 
@@ -20,6 +33,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -27,12 +41,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import redis
 
 from rsd_runtime import DTYPE_NAMES
+from rsd_runtime.security import ClientSecurity, read_secret
 from rsd_runtime.serving import wait_healthy
 
 TINY_PROMPT = "w2 w10 w11 w12 w13"
@@ -45,12 +61,147 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# ---------------------------------------------------------------------------------------------
+# Security
+
+
+@dataclass(frozen=True)
+class ClusterSecurity:
+    """What the launched cluster demands, as absolute file paths ("" = off): every service's server
+    certificate (TLS) and the CA that signed it, a client certificate for the internal hops (mTLS),
+    client certificates on the public API too (public_mtls), the public and the internal token."""
+
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+    client_cert: str = ""
+    client_key: str = ""
+    public_mtls: bool = False
+    auth_token_file: str = ""
+    internal_token_file: str = ""
+
+    def __post_init__(self) -> None:
+        tls, client = bool(self.tls_cert), bool(self.client_cert)
+        problems = [
+            (tls != bool(self.tls_key), "--tls-cert and --tls-key go together"),
+            (tls != bool(self.tls_ca), "--tls-cert needs --tls-ca, the CA that signed it, and the other way round"),
+            (client != bool(self.client_key), "--tls-client-cert and --tls-client-key go together"),
+            (client and not tls, "--tls-client-cert needs --tls-cert (mTLS is TLS first)"),
+            (self.public_mtls and not client, "--public-mtls needs --tls-client-cert (the launcher presents it)"),
+        ]
+        for found, problem in problems:
+            if found:
+                raise ValueError(problem)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tls_cert or self.auth_token_file or self.internal_token_file)
+
+    def summary(self) -> str:
+        """What is on, e.g. "public token, internal token, TLS, mTLS between services"."""
+        on = {
+            "public token": self.auth_token_file,
+            "internal token": self.internal_token_file,
+            "TLS": self.tls_cert,
+            "mTLS between services": self.client_cert,
+            "mTLS on the public API": self.public_mtls,
+        }
+        return ", ".join(name for name, value in on.items() if value)
+
+    def service_flags(self, role: str) -> list[str]:
+        """The security flags of a "verifier", "drafter" or "gateway"."""
+        flags: list[str] = []
+        if self.tls_cert:
+            flags += ["--tls-cert", self.tls_cert, "--tls-key", self.tls_key]
+            if self.public_mtls if role == "gateway" else bool(self.client_cert):
+                flags += ["--tls-ca", self.tls_ca]  # require client certificates that CA signed
+        if role != "verifier" and self.tls_cert:  # the dialers: drafter -> verifier, gateway -> both
+            flags += ["--peer-tls-ca", self.tls_ca]
+            if self.client_cert:
+                flags += ["--peer-tls-cert", self.client_cert, "--peer-tls-key", self.client_key]
+        if self.internal_token_file:
+            flags += ["--internal-token-file", self.internal_token_file]
+        if role == "gateway" and self.auth_token_file:
+            flags += ["--auth-token-file", self.auth_token_file]
+        return flags
+
+    def probe(self, role: str) -> ClientSecurity | None:
+        """How the launcher reaches a service's health check (TLS, and a client certificate under mTLS)."""
+        if not self.tls_cert:
+            return None
+        mtls = self.public_mtls if role == "gateway" else bool(self.client_cert)
+        return ClientSecurity(self.tls_ca, *((self.client_cert, self.client_key) if mtls else ("", "")))
+
+    def client(self) -> ClientSecurity:
+        """How a client of the public API connects."""
+        probe = self.probe("gateway") or ClientSecurity()
+        token = read_secret("", self.auth_token_file, "auth_token")
+        return replace(probe, token=token)
+
+    def how_to_connect(self, address: str) -> list[str]:
+        flags = f" --tls-ca {self.tls_ca}" if self.tls_cert else ""
+        if self.public_mtls:
+            flags += f" --tls-cert {self.client_cert} --tls-key {self.client_key}"
+        if self.auth_token_file:
+            flags += f" --token-file {self.auth_token_file}"
+        kwargs = [f"tls_ca={self.tls_ca!r}"] if self.tls_cert else []
+        if self.public_mtls:
+            kwargs += [f"tls_cert={self.client_cert!r}", f"tls_key={self.client_key!r}"]
+        if self.auth_token_file:
+            kwargs += [f"token=open({self.auth_token_file!r}).read().strip()"]
+        return [
+            f"  rsd generate --server {address}{flags} --prompt '...'",
+            f"  RsdClient({address!r}, security=ClientSecurity({', '.join(kwargs)}))",
+        ]
+
+
+def _new_token(path: Path) -> str:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_urlsafe(32) + "\n")
+    return str(path)
+
+
+def cluster_security(args: argparse.Namespace, run_dir: Path) -> ClusterSecurity:
+    """The flags' ClusterSecurity; with --secure, what they leave out made in run_dir/secure."""
+
+    def absolute(path: str) -> str:
+        return str(Path(path).resolve()) if path else ""
+
+    files = (args.tls_cert, args.tls_key, args.tls_ca, args.tls_client_cert, args.tls_client_key)
+    tokens = (args.auth_token_file, args.internal_token_file)
+    if not args.secure:
+        return ClusterSecurity(*map(absolute, files), args.public_mtls, *map(absolute, tokens))
+    sec = ClusterSecurity(*map(absolute, files), False, *map(absolute, tokens))  # public_mtls once a cert is made
+    folder = run_dir / "secure"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    made: dict[str, str] = {}
+    if not sec.tls_cert:
+        from rsd_runtime.pki import make_local_pki  # cryptography: only for --secure
+
+        pki = make_local_pki(folder)
+        made.update(tls_ca=pki["ca"], tls_cert=pki["server"], tls_key=pki["server_key"])
+        made.update(client_cert=pki["client"], client_key=pki["client_key"])
+    if not sec.auth_token_file:
+        made["auth_token_file"] = _new_token(folder / "token")
+    if not sec.internal_token_file:
+        made["internal_token_file"] = _new_token(folder / "internal_token")
+    return replace(sec, **made, public_mtls=args.public_mtls)
+
+
+# ---------------------------------------------------------------------------------------------
+# Processes
+
+
 @dataclass
 class Process:
     name: str
     proc: subprocess.Popen
     log_path: Path
-    address: str = ""  # host:port of a gRPC service
+    address: str = ""  # host:port of a gRPC service (redis: its host:port)
+    env: dict[str, str] = field(default_factory=dict, repr=False)  # to restart it as it was started
+    probe: ClientSecurity | None = None  # how the launcher reaches its health check
+    restarts: int = 0
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -59,26 +210,51 @@ class Process:
             return ""
 
 
+def _popen(cmd: list[str], env: dict[str, str], log_path: Path, cwd: Path) -> subprocess.Popen:
+    with log_path.open("ab") as log_file:
+        return subprocess.Popen(
+            cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
+        )
+
+
 @dataclass
 class Cluster:
     run_dir: Path
     processes: list[Process] = field(default_factory=list)
     redis_url: str = ""
-    gateway_address: str = ""
-    http_url: str = ""  # the gateway's OpenAI-compatible API, http://host:port/v1
+    gateway_address: str = ""  # the first gateway's
+    http_url: str = ""  # the first gateway's OpenAI-compatible API, http(s)://host:port/v1
+    security: ClusterSecurity = field(default_factory=ClusterSecurity)
 
     def spawn(self, name: str, cmd: list[str], env: dict[str, str], address: str = "") -> Process:
         log_path = self.run_dir / f"{name}.log"
-        with log_path.open("wb") as log_file:
-            proc = subprocess.Popen(
-                cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=self.run_dir, start_new_session=True
-            )
-        process = Process(name, proc, log_path, address)
+        log_path.unlink(missing_ok=True)
+        process = Process(name, _popen(cmd, env, log_path, self.run_dir), log_path, address, env)
         self.processes.append(process)
         return process
 
+    def restart(self, process: Process) -> None:
+        """Start a dead process again: the same command (so the same port) and env, its log continued."""
+        with process.log_path.open("ab") as log_file:
+            log_file.write(f"\n[cluster] restart {process.restarts + 1}\n".encode())
+        process.proc = _popen(list(process.proc.args), process.env, process.log_path, self.run_dir)
+        process.restarts += 1
+
+    def client_security(self) -> ClientSecurity:
+        """How a client connects to the gateways."""
+        return self.security.client()
+
+    def describe(self) -> list[str]:
+        """One line per process: name, address, pid."""
+        width = max((len(p.name) for p in self.processes), default=0)
+        lines = []
+        for p in self.processes:
+            address = self.redis_url if p.name == "redis" else p.address
+            lines.append(f"  {p.name:<{width}}  {address:<28}  pid {p.proc.pid}")
+        return lines
+
     def stop(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM in reverse start order (gateway first), wait, SIGKILL what is left."""
+        """SIGTERM in reverse start order (gateways first), wait, SIGKILL what is left."""
         for process in reversed(self.processes):
             if process.proc.poll() is None:
                 process.proc.send_signal(signal.SIGTERM)
@@ -101,6 +277,14 @@ def _redis_pings(url: str) -> bool:
         client.close()
 
 
+def _wait_redis(process: Process, url: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not _redis_pings(url):
+        if time.monotonic() > deadline or process.proc.poll() is not None:
+            raise RuntimeError(f"redis-server did not start:\n{process.log_tail()}")
+        time.sleep(0.05)
+
+
 async def _wait_ready(process: Process, timeout_s: float) -> None:
     """Health SERVING, failing early (with its log) if the process exits."""
     deadline = time.monotonic() + timeout_s
@@ -108,7 +292,7 @@ async def _wait_ready(process: Process, timeout_s: float) -> None:
         if process.proc.poll() is not None:
             raise RuntimeError(f"{process.name} exited with {process.proc.returncode}:\n{process.log_tail()}")
         try:
-            await wait_healthy(process.address, timeout_s=1.0)
+            await wait_healthy(process.address, timeout_s=1.0, security=process.probe)
             return
         except TimeoutError:
             if time.monotonic() > deadline:
@@ -134,70 +318,72 @@ def model_dirs(args: argparse.Namespace) -> tuple[Path, Path]:
 
 
 def start_cluster(args: argparse.Namespace) -> Cluster:
-    """Start redis (if available), verifier, drafter and gateway; return when all are healthy."""
+    """Start redis (if available), the verifiers, drafters and gateways; return when all are healthy."""
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="rsd-cluster-")).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    cluster = Cluster(run_dir)
+    for flag in ("verifiers", "drafters", "gateways"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag} must be at least 1")
+    redis_server = None if args.no_redis else shutil.which("redis-server")
+    if args.gateways > 1 and not redis_server:
+        raise ValueError("--gateways above 1 needs redis-server on PATH (gateways share sessions through Redis)")
+    cluster = Cluster(run_dir, security=cluster_security(args, run_dir))
     draft_dir, target_dir = model_dirs(args)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     repo_root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo_root, env.get("PYTHONPATH", "")]))
     model_flags = ["--threads", str(args.threads)] if args.threads else []
     model_flags += ["--dtype", args.dtype]
-    py = sys.executable
+    sec = cluster.security
+
+    def service(role: str, index: int, module: str, flags: list[str]) -> Process:
+        """role-index on a free port; verifiers and drafters register under that name (--verifier-id ...)."""
+        port = free_port()
+        if role != "gateway":
+            flags = [*flags, f"--{role}-id", f"{role}-{index}"]
+        cmd = [sys.executable, "-m", module, "--port", str(port), *flags, *sec.service_flags(role)]
+        process = cluster.spawn(f"{role}-{index}", cmd, env, f"127.0.0.1:{port}")
+        process.probe = sec.probe(role)
+        return process
+
     try:
-        redis_server = None if args.no_redis else shutil.which("redis-server")
         registry: list[str] = []
         if redis_server:
             port = free_port()
             cmd = [redis_server, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(run_dir)]
             cmd += ["--save", "", "--appendonly", "no", "--daemonize", "no"]
-            cluster.spawn("redis", cmd, env)
             cluster.redis_url = f"redis://127.0.0.1:{port}/0"
-            deadline = time.monotonic() + 10
-            while not _redis_pings(cluster.redis_url):
-                if time.monotonic() > deadline or cluster.processes[-1].proc.poll() is not None:
-                    raise RuntimeError(f"redis-server did not start:\n{cluster.processes[-1].log_tail()}")
-                time.sleep(0.05)
+            _wait_redis(cluster.spawn("redis", cmd, env, f"127.0.0.1:{port}"), cluster.redis_url)
             registry = ["--redis-url", cluster.redis_url]
-        v_port, d_port, g_port, h_port = free_port(), free_port(), free_port(), free_port()
-        service = [py, "-m"]
-        registry_v, registry_d = [*registry, "--verifier-id", "verifier-0"], [*registry, "--drafter-id", "drafter-0"]
-        verifier = cluster.spawn(
-            "verifier",
-            [
-                *service,
-                "verifier_service",
-                "--port",
-                str(v_port),
-                "--model",
-                str(target_dir),
-                *registry_v,
-                *model_flags,
-            ],
-            env,
-            f"127.0.0.1:{v_port}",
-        )
-        drafter = cluster.spawn(
-            "drafter",
-            [*service, "drafter_service", "--port", str(d_port), "--model", str(draft_dir), *registry_d, *model_flags],
-            env,
-            f"127.0.0.1:{d_port}",
-        )
-        static = [] if registry else ["--drafters", f"drafter-0={drafter.address}"]
-        static += [] if registry else ["--verifiers", f"verifier-0={verifier.address}"]
-        http = ["--http-port", str(h_port), "--served-model-name", "rsd-tiny" if args.tiny else target_dir.name]
-        gateway = cluster.spawn(
-            "gateway",
-            [*service, "gateway", "--port", str(g_port), "--tokenizer", str(target_dir), *registry, *static, *http],
-            env,
-            f"127.0.0.1:{g_port}",
-        )
-        cluster.gateway_address = gateway.address
-        cluster.http_url = f"http://127.0.0.1:{h_port}/v1"
+        verifiers = [
+            service("verifier", i, "verifier_service", ["--model", str(target_dir), *registry, *model_flags])
+            for i in range(args.verifiers)
+        ]
+        drafters = [
+            service("drafter", i, "drafter_service", ["--model", str(draft_dir), *registry, *model_flags])
+            for i in range(args.drafters)
+        ]
+        static = [] if registry else ["--drafters", ",".join(f"{p.name}={p.address}" for p in drafters)]
+        static += [] if registry else ["--verifiers", ",".join(f"{p.name}={p.address}" for p in verifiers)]
+        http_ports = [free_port() for _ in range(args.gateways)]
+        http = ["--served-model-name", "rsd-tiny" if args.tiny else target_dir.name]
+        gateways = [
+            service(
+                "gateway",
+                i,
+                "gateway",
+                ["--tokenizer", str(target_dir), *registry, *static, *http, "--http-port", str(http_ports[i])]
+                + (["--gateway-id", f"gateway-{i}"] if args.gateways > 1 else []),
+            )
+            for i in range(args.gateways)
+        ]
+        cluster.gateway_address = gateways[0].address
+        scheme = "https" if sec.tls_cert else "http"
+        cluster.http_url = f"{scheme}://127.0.0.1:{http_ports[0]}/v1"
 
         async def all_ready() -> None:
-            await asyncio.gather(*(_wait_ready(p, args.start_timeout_s) for p in (verifier, drafter, gateway)))
+            services = [*verifiers, *drafters, *gateways]
+            await asyncio.gather(*(_wait_ready(p, args.start_timeout_s) for p in services))
 
         asyncio.run(all_ready())
     except BaseException:
@@ -206,12 +392,14 @@ def start_cluster(args: argparse.Namespace) -> Cluster:
     return cluster
 
 
-def run_generation(address: str, args: argparse.Namespace, out=sys.stdout) -> str:
+def run_generation(
+    address: str, args: argparse.Namespace, out=sys.stdout, security: ClientSecurity | None = None
+) -> str:
     """One generation through the gateway, streamed to `out`; stats to stderr. Returns the text."""
     from rsd_runtime.client import RsdClient
 
     prompt = args.prompt if args.prompt is not None else (TINY_PROMPT if args.tiny else CODE_PROMPT)
-    with RsdClient(address) as client:
+    with RsdClient(address, security=security) as client:
         gen = client.generate(
             prompt,
             method=args.method,
@@ -251,13 +439,84 @@ def print_stats(gen, wall_s: float) -> None:
     )
 
 
+def _exit_status(code: int) -> str:
+    return f"signal {-code} ({signal.Signals(-code).name})" if code < 0 else f"code {code}"
+
+
+def keep_running(cluster: Cluster, max_restarts: int, should_stop: Callable[[], bool], poll_s: float = 0.5) -> int:
+    """Serve until should_stop(). A process that exits is reported and restarted (same command and port) until
+    it has been restarted max_restarts times, then left down; the others serve throughout. A restart is
+    reported once the new process is healthy. 1 once every process is down for good."""
+    down: set[str] = set()
+    starting: set[str] = set()  # restarted, not healthy yet
+    while not should_stop():
+        time.sleep(poll_s)
+        for p in cluster.processes:
+            code = None if p.name in down else p.proc.poll()
+            if p.name in down or (code is None and p.name not in starting):
+                continue
+            if code is None:
+                if _is_up(cluster, p):
+                    starting.discard(p.name)
+                    where = cluster.redis_url if p.name == "redis" else p.address
+                    restarts = f"restart {p.restarts} of {max_restarts}"
+                    print(f"[cluster] {p.name} restarted: pid {p.proc.pid} at {where} ({restarts})", file=sys.stderr)
+                continue
+            starting.discard(p.name)
+            print(f"[cluster] {p.name} (pid {p.proc.pid}) exited with {_exit_status(code)}", file=sys.stderr)
+            if p.restarts >= max_restarts:
+                print(
+                    f"[cluster] {p.name} stays down (--max-restarts {max_restarts}); see {p.log_path}", file=sys.stderr
+                )
+                down.add(p.name)
+                continue
+            cluster.restart(p)
+            starting.add(p.name)
+        if len(down) == len(cluster.processes):
+            print("[cluster] every process is down", file=sys.stderr)
+            return 1
+    return 0
+
+
+def _is_up(cluster: Cluster, process: Process) -> bool:
+    """One quick probe: Redis answers PING, a service's health is SERVING."""
+    if process.name == "redis":
+        return _redis_pings(cluster.redis_url)
+    try:
+        asyncio.run(wait_healthy(process.address, timeout_s=0.2, security=process.probe))
+    except TimeoutError:
+        return False
+    return True
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="rsd cluster", description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="tiny seeded random models (seconds)")
     ap.add_argument("--draft", help="draft model folder (default: the real Qwen pair, provisioned)")
     ap.add_argument("--target", help="target model folder")
     ap.add_argument("--cache-dir", default=None, help="model cache (default $RSD_MODEL_CACHE or ~/.cache/rsd/models)")
-    ap.add_argument("--keep-running", action="store_true", help="keep the cluster up until Ctrl-C")
+    ap.add_argument("--keep-running", action="store_true", help="keep the cluster up until Ctrl-C, restarting the dead")
+    ap.add_argument(
+        "--max-restarts", type=int, default=3, help="with --keep-running: restarts of each process (0: none)"
+    )
+    ap.add_argument("--verifiers", type=int, default=1, help="verifier processes (verifier-0, verifier-1, ...)")
+    ap.add_argument("--drafters", type=int, default=1, help="drafter processes")
+    ap.add_argument("--gateways", type=int, default=1, help="gateway processes (more than one needs Redis)")
+    sec = ap.add_argument_group("security (off unless given; --secure turns on all of it)")
+    sec.add_argument(
+        "--secure",
+        action="store_true",
+        help="tokens and TLS/mTLS on every hop; what the flags below leave out is made in <run dir>/secure "
+        "(a throwaway CA with server and client certificates, random tokens)",
+    )
+    sec.add_argument("--tls-cert", default="", help="every service's certificate (PEM; must name 127.0.0.1)")
+    sec.add_argument("--tls-key", default="", help="its key")
+    sec.add_argument("--tls-ca", default="", help="the CA that signed the certificates")
+    sec.add_argument("--tls-client-cert", default="", help="client certificate of the internal hops: mTLS")
+    sec.add_argument("--tls-client-key", default="", help="its key")
+    sec.add_argument("--public-mtls", action="store_true", help="the gateways require client certificates too")
+    sec.add_argument("--auth-token-file", default="", help="the public API's bearer token")
+    sec.add_argument("--internal-token-file", default="", help="the internal hops' shared secret")
     ap.add_argument("--no-generate", action="store_true", help="skip the demo generation")
     ap.add_argument("--no-redis", action="store_true", help="use the gateway's embedded store even if redis exists")
     ap.add_argument("--prompt", default=None)
@@ -282,20 +541,30 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     t0 = time.monotonic()
-    cluster = start_cluster(args)
+    try:
+        cluster = start_cluster(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     store = f"redis {cluster.redis_url}" if cluster.redis_url else "embedded store"
     print(
-        f"[cluster] up in {time.monotonic() - t0:.1f} s: gateway {cluster.gateway_address} "
-        f"(OpenAI-compatible API {cluster.http_url}), {store}; logs in {cluster.run_dir}",
+        f"[cluster] up in {time.monotonic() - t0:.1f} s ({store}); OpenAI-compatible API {cluster.http_url}; "
+        f"logs in {cluster.run_dir}",
         file=sys.stderr,
     )
+    print("\n".join(cluster.describe()), file=sys.stderr, flush=True)
+    if cluster.security.enabled:
+        print(f"[cluster] secured: {cluster.security.summary()}; a client connects with:", file=sys.stderr)
+        print("\n".join(cluster.security.how_to_connect(cluster.gateway_address)), file=sys.stderr, flush=True)
     try:
         if not args.no_generate:
-            run_generation(cluster.gateway_address, args)
+            run_generation(cluster.gateway_address, args, security=cluster.client_security())
         if args.keep_running:
             print(f"[cluster] gateway at {cluster.gateway_address}; Ctrl-C stops the cluster", file=sys.stderr)
-            print(f"  rsd generate --server {cluster.gateway_address} --prompt '...'", file=sys.stderr)
+            if not cluster.security.enabled:
+                print(f"  rsd generate --server {cluster.gateway_address} --prompt '...'", file=sys.stderr)
             print(f"[cluster] OpenAI base URL: {cluster.http_url}", file=sys.stderr)
+            sys.stderr.flush()
             stop = False
 
             def on_signal(signum, frame):
@@ -305,12 +574,7 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGTERM, on_signal)
             signal.signal(signal.SIGINT, on_signal)  # also where a shell started us with SIGINT ignored
             with contextlib.suppress(KeyboardInterrupt):
-                while not stop:
-                    time.sleep(0.5)
-                    dead = [p.name for p in cluster.processes if p.proc.poll() is not None]
-                    if dead:
-                        print(f"[cluster] exited: {', '.join(dead)}; stopping", file=sys.stderr)
-                        return 1
+                return keep_running(cluster, args.max_restarts, lambda: stop)
     finally:
         t_stop = time.monotonic()
         cluster.stop(args.stop_timeout_s)

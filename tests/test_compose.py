@@ -341,7 +341,7 @@ def _launch(monkeypatch, tmp_path) -> list[tuple[str, list[str]]]:
     spawned: list[tuple[str, list[str]]] = []
 
     def spawn(self, name, cmd, env, address=""):
-        spawned.append((name, list(cmd)))
+        spawned.append((name.removesuffix("-0"), list(cmd)))  # one of each: verifier-0 is compose's verifier
         process = cluster_mod.Process(name, _FakePopen(), self.run_dir / f"{name}.log", address)
         self.processes.append(process)
         return process

@@ -1,5 +1,6 @@
-"""Faults injected for real: `kill -9` of a verifier, a drafter or a gateway mid-generation, Redis killed
-and restarted mid-generation, a verifier that answers late or drops its stream.
+"""Faults injected for real: `kill -9` of a verifier, a drafter or a gateway mid-generation (resumed on
+another gateway, or finished there by its orphan sweep), Redis killed and restarted mid-generation, a
+verifier that answers late or drops its stream.
 
 The process faults run the services as real processes (`python -m verifier_service` ..., started with
 rsd_runtime.cluster's launcher pieces) on tiny Qwen2 models, with a redis-server that keeps an
@@ -26,6 +27,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from gateway.engine import finish_reason_name
 from gateway.store import RedisSessionStore
 from rsd_runtime.client import RsdClient
 from rsd_runtime.cluster import Cluster, Process, _wait_ready, free_port
@@ -139,7 +141,8 @@ def _write_report() -> None:
         "  re-prefills them). Every token equal to the uninterrupted run, positions contiguous.",
         "- gateway: the client's stream fails UNAVAILABLE; it resumes on the other gateway with (session id,",
         "  position). That gateway takes the turn over once the dead one's turn lease (turn_lease_s = 5 s,",
-        "  refreshed every 1.7 s) has expired, so the figure is the lease plus a poll.",
+        "  refreshed every 1.7 s, compared on Redis's clock) has expired, so the figure is the lease plus a poll.",
+        "  With no client coming back, the other gateway's orphan sweep (every 2 s) finishes the turn alone.",
         "- Redis: down for 1 s (SIGKILL, append-only file with fsync always), then restarted on its port; the",
         "  gateway retries its store calls (up to store_retry_s = 15 s, then UNAVAILABLE) and the generation",
         "  goes on where it was, no committed token lost.",
@@ -233,6 +236,33 @@ def test_kill_9_of_the_gateway_and_resume_elsewhere(cluster, expected):
     assert session.kv_location.epoch >= 2  # the other gateway began a new epoch
     RECOVERY["kill -9 gateway (resume on another)"] = _after(events, t_kill)
     print(f"\n[faults] kill -9 gateway: next token after {RECOVERY['kill -9 gateway (resume on another)']:.2f} s")
+
+
+def test_kill_9_of_the_gateway_and_no_client_comes_back(cluster, expected):
+    """Nobody resumes the orphaned turn: the other gateway's orphan sweep sees its lease run out on Redis's
+    clock, takes it over with a new epoch and finishes it; the store then holds the uninterrupted run and
+    why it ended, which a later resume reports."""
+    cluster.ensure(verifier=1, drafter=1, gateway=2)
+    first, second = cluster.alive("gateway")[:2]
+    prompt_len = expected.started.start_position
+    with RsdClient(first.address, timeout_s=120) as client:
+        gen = client.generate(PROMPT, **LONG)
+        first_delta(gen, prompt_len, [])
+        cluster.kill(first.name)
+    store = RedisSessionStore.from_url(cluster.redis.url)
+    try:
+        deadline = time.monotonic() + 300
+        while (record := store.get_session(gen.session_id)).status == "running":
+            assert time.monotonic() < deadline, "the orphaned turn was never taken over and finished"
+            time.sleep(0.2)
+    finally:
+        store.client.close()
+    assert record.status == "finished" and record.epoch >= 2  # the sweep began a new epoch
+    assert list(record.committed_ids)[prompt_len:] == list(expected.token_ids)
+    assert record.finish_reason == finish_reason_name(expected.finished.reason)
+    with RsdClient(second.address, timeout_s=120) as client:
+        resumed = client.generate(session_id=gen.session_id, resume_from_position=prompt_len).wait()
+    assert resumed.token_ids == list(expected.token_ids) and resumed.finished.reason == expected.finished.reason
 
 
 def test_redis_killed_and_restarted_mid_generation(cluster, expected):

@@ -26,7 +26,15 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from gateway.config import GatewayConfig, parse_services
-from gateway.engine import Detokenizer, RequestError, StopFilter, default_params, merge_params, validate_params
+from gateway.engine import (
+    Detokenizer,
+    RequestError,
+    StopFilter,
+    default_params,
+    finish_reason_name,
+    merge_params,
+    validate_params,
+)
 from gateway.server import create_server
 from gateway.store import MemorySessionStore, RedisSessionStore
 from rsd.methods import Method
@@ -482,8 +490,10 @@ def test_stop_sequence_cuts_text(stack, pair):
     stop = full.split()[3]  # the 4th generated word
     with stack.client() as client:
         gen = client.generate(PROMPT, max_new_tokens=24, stop=[stop], **greedy()).wait()
+        resumed = client.generate(session_id=gen.session_id, resume_from_position=gen.started.start_position).wait()
     assert gen.finished.reason == common_pb2.FINISH_REASON_STOP_SEQUENCE
     assert gen.text == full[: full.index(stop)]
+    assert resumed.finished.reason == common_pb2.FINISH_REASON_STOP_SEQUENCE  # the store kept why it ended
 
 
 def test_cancel_and_busy_session(loop, pair, store):
@@ -505,6 +515,82 @@ def test_cancel_and_busy_session(loop, pair, store):
     assert gen.finished.reason == common_pb2.FINISH_REASON_CANCELLED
     assert len(rest) < 400 and gen.finished.committed_length_tokens == session.committed_length_tokens
     assert session.status == gateway_pb2.SESSION_STATUS_CANCELLED
+    assert session.last_finish_reason == common_pb2.FINISH_REASON_CANCELLED
+
+
+def _orphan(store, pair, committed: int) -> tuple[str, list[int], list[int]]:
+    """A session as a gateway leaves it when it dies mid-turn: RUNNING at epoch 1, `committed` tokens of its
+    greedy run in. -> (session id, prompt ids, the whole greedy run)."""
+    prompt_ids = pair[2].encode(PROMPT, add_special_tokens=False)
+    expected = reference(pair, prompt_ids, max_new_tokens=8)
+    params = {**default_params(GatewayConfig(tokenizer="x")), **greedy(), "max_new_tokens": 8}
+    store.create_session("orphan", prompt_ids, {**params, "turn_start": len(prompt_ids)})
+    epoch = store.begin_epoch("orphan", 0, "d0", "v0")
+    store.append_tokens("orphan", len(prompt_ids), expected[:committed], epoch)
+    return "orphan", prompt_ids, expected
+
+
+def _wait_until_not_running(store, session_id: str, timeout_s: float = 120.0):
+    deadline = time.monotonic() + timeout_s
+    while (record := store.get_session(session_id)).status == "running":
+        assert time.monotonic() < deadline, f"{session_id} still running after {timeout_s} s"
+        time.sleep(0.05)
+    return record
+
+
+def _wait_lease_expired(store, session_id: str, lease_s: float) -> None:
+    """Until the store's own clock says the lease is over (nothing is compared to this process's clock)."""
+    while store.now_ms() - store.get_session(session_id).updated_unix_ms <= lease_s * 1000:
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+def test_orphan_sweep_finishes_a_turn_whose_gateway_died(loop, pair, kind, request):
+    """No client comes back: the sweep takes the turn over once its lease expired on the store's clock,
+    and the turn ends as the uninterrupted run would; a resume then reports why it ended."""
+    clock = [1_000_000.0]
+    if kind == "memory":  # the store's clock is injected: only it decides when the lease is over
+        store, lease_s = MemorySessionStore(clock=lambda: clock[0]), 5.0
+    else:
+        url = request.getfixturevalue("redis_url")
+        store, lease_s = RedisSessionStore.from_url(url, f"rsd-test-orphan-{time.monotonic_ns()}"), 0.3
+    session_id, prompt_ids, expected = _orphan(store, pair, committed=2)
+    s = start_stack(loop, pair, store, turn_lease_s=lease_s, orphan_sweep_s=0)  # sweeps called here
+    try:
+        if kind == "memory":
+            assert loop.run(s.engine.sweep_orphans()) == []  # lease not over on the store's clock
+            clock[0] += lease_s + 0.001
+        else:
+            _wait_lease_expired(store, session_id, lease_s)
+        assert store.running_sessions() == [session_id]
+        assert loop.run(s.engine.sweep_orphans()) == [session_id]
+        record = _wait_until_not_running(store, session_id)
+        with s.client() as client:
+            resumed = client.generate(session_id=session_id, resume_from_position=len(prompt_ids)).wait()
+            session = client.get_session(session_id)
+    finally:
+        s.stop()
+    assert record.status == "finished" and record.epoch == 2 and store.running_sessions() == []
+    assert list(record.committed_ids) == prompt_ids + expected  # as if the gateway had never died
+    assert s.drafters[0].runs[0].committed_token_ids == prompt_ids + expected[:2]
+    reason = common_pb2.FINISH_REASON_EOS if expected[-1] == EOS else common_pb2.FINISH_REASON_LENGTH
+    assert record.finish_reason == finish_reason_name(reason)
+    assert resumed.token_ids == expected and resumed.finished.reason == reason == session.last_finish_reason
+
+
+def test_orphan_sweep_fails_a_turn_no_service_can_take(loop, pair):
+    clock = [1_000_000.0]
+    store = MemorySessionStore(clock=lambda: clock[0])
+    session_id, _, _ = _orphan(store, pair, committed=1)
+    s = start_stack(loop, pair, store, num_drafters=0, num_verifiers=0, turn_lease_s=5.0, orphan_sweep_s=0)
+    try:  # no static services, and none registered in the store
+        clock[0] += 6.0
+        assert loop.run(s.engine.sweep_orphans()) == [session_id]
+    finally:
+        s.stop()
+    record = store.get_session(session_id)
+    assert (record.status, record.finish_reason, record.epoch) == ("failed", "", 2)  # claimed, then failed
+    assert store.running_sessions() == []
 
 
 def test_concurrent_sessions(loop, pair):

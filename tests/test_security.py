@@ -1,6 +1,6 @@
 """Bearer tokens, TLS / mTLS and limits, against real servers on loopback.
 
-Certificates are made here, at test time, in a temporary folder (a CA, a server certificate for
+Certificates are made at test time (rsd_runtime.pki), in a temporary folder (a CA, a server certificate for
 127.0.0.1 / localhost, a client certificate, and a stranger's certificate from another CA): no key
 is ever committed. The secure cluster is the real verifier and drafter services plus the gateway,
 every hop over mTLS with the internal shared secret, the gateway's public API with a bearer token.
@@ -9,16 +9,12 @@ The limits tests run the gateway over test_gateway's ReferenceDrafter (steps can
 
 from __future__ import annotations
 
-import datetime
 import time
 from pathlib import Path
 
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from drafter_service.config import DrafterConfig
 from drafter_service.server import create_server as create_drafter
@@ -27,6 +23,7 @@ from gateway.server import create_server as create_gateway
 from gateway.store import MemorySessionStore
 from rsd_runtime.client import RsdClient
 from rsd_runtime.models import load_model, load_tokenizer
+from rsd_runtime.pki import make_ca, make_leaf, make_local_pki, write_pem
 from rsd_runtime.security import ClientSecurity, ServerSecurity, TokenInterceptor, channel, read_secret
 from rsd_runtime.serving import wait_healthy
 from rsd_runtime.tiny import build_tiny_pair
@@ -39,75 +36,15 @@ INTERNAL = "internal-s3cret"
 PUBLIC = "public-t0ken"
 
 # ---------------------------------------------------------------------------------------------
-# Throwaway certificates
-
-
-def _name(cn: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-
-def _write(path: Path, key, cert: x509.Certificate) -> tuple[str, str]:
-    key_pem = key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
-    path.with_suffix(".key").write_bytes(key_pem)
-    path.with_suffix(".pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    return str(path.with_suffix(".pem")), str(path.with_suffix(".key"))
-
-
-def _ca(cn: str):
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(_name(cn))
-        .issuer_name(_name(cn))
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-        .sign(key, hashes.SHA256())
-    )
-    return key, cert
-
-
-def _leaf(ca_key, ca_cert: x509.Certificate, cn: str, usages: list, san: list | None = None):
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.UTC)
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(_name(cn))
-        .issuer_name(ca_cert.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
-        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
-    )
-    if san:
-        builder = builder.add_extension(x509.SubjectAlternativeName(san), critical=False)
-    return key, builder.sign(ca_key, hashes.SHA256())
+# Throwaway certificates (rsd_runtime.pki, as `rsd cluster --secure` makes them)
 
 
 def make_pki(folder: Path) -> dict[str, str]:
     """ca, server (+ _key), client (+ _key), stranger (+ _key, signed by another CA): PEM paths."""
-    import ipaddress
-
-    ca_key, ca = _ca("rsd test CA")
-    (folder / "ca.pem").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    san = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-    both = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-    paths = {"ca": str(folder / "ca.pem")}
-    paths["server"], paths["server_key"] = _write(folder / "server", *_leaf(ca_key, ca, "rsd server", both, san))
-    client = _leaf(ca_key, ca, "rsd client", [ExtendedKeyUsageOID.CLIENT_AUTH])
-    paths["client"], paths["client_key"] = _write(folder / "client", *client)
-    other_key, other_ca = _ca("someone else's CA")
-    stranger = _leaf(other_key, other_ca, "stranger", [ExtendedKeyUsageOID.CLIENT_AUTH])
-    paths["stranger"], paths["stranger_key"] = _write(folder / "stranger", *stranger)
+    paths = make_local_pki(folder)
+    other_key, other_ca = make_ca("someone else's CA")
+    stranger = make_leaf(other_key, other_ca, "stranger", [ExtendedKeyUsageOID.CLIENT_AUTH])
+    paths["stranger"], paths["stranger_key"] = write_pem(folder / "stranger", stranger[1], stranger[0])
     return paths
 
 

@@ -206,6 +206,50 @@ def test_update_session(store):
     assert store.get_session("s1").status == SessionStatus.CANCELLED
 
 
+def test_finish_reason_is_kept_until_the_next_run(store):
+    epoch = started(store)
+    assert store.get_session("s1").finish_reason == ""
+    store.update_session("s1", status=SessionStatus.FINISHED, finish_reason="eos", epoch=epoch)
+    assert store.get_session("s1").finish_reason == "eos"
+    store.begin_epoch("s1", epoch, "drafter-0", "verifier-0")  # the next turn: not finished yet
+    assert store.get_session("s1").finish_reason == ""
+    with pytest.raises(ValueError):
+        store.update_session("s1", finish_reason="Not a reason")
+
+
+def test_running_sessions(store):
+    epoch = started(store, "s1")
+    started(store, "s2")
+    store.create_session("s3", PROMPT, PARAMS)  # pending: no turn yet
+    assert store.running_sessions() == ["s1", "s2"]
+    store.update_session("s1", status=SessionStatus.FINISHED, epoch=epoch)
+    store.delete_session("s2")
+    assert store.running_sessions() == []
+    store.begin_epoch("s1", epoch, "drafter-0", "verifier-0")
+    assert store.running_sessions() == ["s1"]
+
+
+def test_leases_are_stamped_by_the_stores_clock(store):
+    """updated_unix_ms comes from the store's clock (Redis TIME), which now_ms() reads: comparable
+    whatever the clock of the process that wrote it."""
+    before = store.now_ms()
+    epoch = started(store)
+    stamped = store.get_session("s1").updated_unix_ms
+    store.append_tokens("s1", 3, [8], epoch)
+    after = store.now_ms()
+    assert before <= stamped <= store.get_session("s1").updated_unix_ms <= after
+
+
+def test_the_memory_stores_clock_can_be_injected():
+    now = [1000.0]
+    store = MemorySessionStore(clock=lambda: now[0])
+    epoch = started(store)
+    assert store.now_ms() == store.get_session("s1").updated_unix_ms == 1_000_000
+    now[0] = 1007.5
+    store.update_session("s1", epoch=epoch)
+    assert store.get_session("s1").updated_unix_ms == store.now_ms() == 1_007_500
+
+
 @pytest.mark.parametrize(
     "call",
     [
@@ -274,6 +318,7 @@ def test_redis_keys_are_namespaced_and_expire(redis_srv):
 
     keys = {k.decode() for k in client.scan_iter(match=f"{a.namespace}:*")}
     assert set(a.session_keys("s1")) <= keys and any(":v0" in k for k in keys)  # the session and the registry
+    assert f"{a.namespace}:running" in keys  # the running-turns set the orphan sweep reads
     assert all(0 < client.pttl(k) <= 30_000 for k in keys)  # every key expires
     assert client.strlen(f"{a.namespace}:session:s1:tokens") == 4 * 4  # packed uint32
     client.close()
