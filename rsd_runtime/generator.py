@@ -8,6 +8,10 @@ One step (a "block"):
 Committed tokens are the session's truth. Each runner caches all but the last committed token (the
 last one is the next tree's root); a runner that is behind (the drafter never ran an accepted leaf)
 runs the missing tokens as a chain in front of the next tree, in the same forward.
+
+Randomness is counter-based: a step's draws come from step_generator(seed, stream, root position),
+one stream for drafting and one for acceptance, so they depend on where the step starts and not on
+what ran before (the drafter service drafts ahead on that: rsd_runtime.predraft).
 """
 
 from __future__ import annotations

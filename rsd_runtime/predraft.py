@@ -164,9 +164,6 @@ class PreDrafter:
             path_prob[n] = path_prob[parents[n]] * float(tree.draft_probs[parents[n], tokens[n]])
         laws = {n: tree.draft_probs[n] for n in ran}
         leaves = sorted((n for n in range(tree.num_nodes) if n not in ran), key=lambda n: -path_prob[n])
-        greedy_leaf = self._greedy_walk(laws)[0] if self.params.greedy else None
-        if greedy_leaf is not None and greedy_leaf not in ran:  # T = 0: the draft's own greedy walk first
-            leaves.insert(0, leaves.pop(leaves.index(greedy_leaf)))
         laws.update(self._leaf_laws(leaves[: self.max_outcomes], stop))
         scored = []
         for v, law in laws.items():
@@ -176,27 +173,11 @@ class PreDrafter:
                 if p > 0 and x not in children:
                     scored.append((path_prob[v] * p, tuple(path_to(tree.parent_idx, v)), x))
         scored.sort(key=lambda s: -s[0])
-        walk = self._greedy_walk(laws) if self.params.greedy else (0, (), None)
-        if walk[2] is not None:
-            scored.insert(0, (1.0, walk[1], walk[2]))
         ranked = []
         for _, path, x in scored:
             if (path, x) not in ranked and not self.finishes([tokens[n] for n in path] + [x]):
                 ranked.append((path, x))
         return ranked[: self.max_outcomes]
-
-    def _greedy_walk(self, laws: dict[int, Tensor]) -> tuple[int, tuple[int, ...], int | None]:
-        """What greedy verification would do if the target were the draft: from the root, follow the
-        child holding the argmax while there is one. -> (last node, its path, appended token or None
-        when that node's law is unknown)."""
-        v, tokens = 0, self.tree.token_ids.tolist()
-        while v in laws:
-            x = int(laws[v].argmax())
-            child = next((c for c in self.tree.children(v) if tokens[c] == x), None)
-            if child is None:
-                return v, tuple(path_to(self.tree.parent_idx, v)), x
-            v = child
-        return v, tuple(path_to(self.tree.parent_idx, v)), None
 
     def _leaf_laws(self, leaves: list[int], stop: Callable[[], bool] | None) -> dict[int, Tensor]:
         """Draft laws at leaves the drafter never ran: one forward on top of the sent tree, dropped after."""

@@ -41,6 +41,12 @@ def _never_right(self, stop):
     return [((), int(self.tree.draft_probs[0].argmin()))]
 
 
+def _predraft_all(pre: PreDrafter, stop, deadline) -> None:
+    """drafter_service.engine._predraft without its stops: every ranked outcome, whatever the time."""
+    while pre.draft_next():
+        pass
+
+
 # ---------------------------------------------------------------------------------------------
 # 1. counter-based streams
 
@@ -189,13 +195,14 @@ def test_pipelined_equals_plain_through_services(pair):
         steps = [e.stats for _, events in outs for e in events if e.HasField("stats")]
         for (sid, _, expected), (tokens, _) in zip(jobs, outs, strict=True):
             assert tokens == expected, (sid, predraft)
-        predrafted = sum(s.num_predrafted_trees for s in steps)
-        assert (predrafted > 0) == predraft
+        if not predraft:  # with it on, how much it drafts ahead depends on timing (the next test takes that out)
+            assert sum(s.num_predrafted_trees for s in steps) == 0
         assert all(s.num_predrafted_trees > 0 or not s.predraft_hit for s in steps)
 
 
 def test_misses_change_nothing_through_services(pair, monkeypatch):
     monkeypatch.setattr(PreDrafter, "_rank", _never_right)
+    monkeypatch.setattr(drafter_engine, "_predraft", _predraft_all)
     name, shape = "rsd_s", "3x3"
     expected = reference(pair, PROMPT, Method.parse(name, shape), SamplingParams(0.6), 9)
 
@@ -207,12 +214,6 @@ def test_misses_change_nothing_through_services(pair, monkeypatch):
     assert tokens == expected
     stats = [e.stats for e in events if e.HasField("stats")]
     assert not any(s.predraft_hit for s in stats) and sum(s.num_predrafted_trees for s in stats) > 0
-
-
-def _predraft_all(pre: PreDrafter, stop, deadline) -> None:
-    """drafter_service.engine._predraft without its stops: every ranked outcome, whatever the time."""
-    while pre.draft_next():
-        pass
 
 
 def test_every_outcome_predrafted_through_services_hits_as_in_process(pair, monkeypatch):
