@@ -233,7 +233,7 @@ class DrafterEngine:
                     if pre is not None:
                         budget = job.max_new_tokens - (len(committed) - start)
                         pre.begin(committed, tree, lambda tokens, budget=budget: bool(_cut(tokens, budget, job)[1]))
-                        predrafting = self._in_thread(slot, _predraft, pre, stop, t1 + round_trip_s)
+                        predrafting = self._in_thread(slot, predraft_while_waiting, pre, stop, t1 + round_trip_s)
                     try:
                         reply = await call.exchange(msg, cancel)
                     finally:
@@ -383,7 +383,7 @@ def _check_verdict(reply: verifier_pb2.Verdict, sent: verifier_pb2.DraftTree, tr
     return verdict
 
 
-def _predraft(pre: PreDrafter, stop: threading.Event, deadline: float) -> None:
+def predraft_while_waiting(pre: PreDrafter, stop: threading.Event, deadline: float) -> None:
     """Pre-draft outcome after outcome until the verdict is in (stop), the session's measured verify
     round trip is used up (deadline, perf_counter seconds) or none is left. Worker thread."""
     while time.perf_counter() < deadline and pre.draft_next(stop.is_set):

@@ -117,7 +117,9 @@ class Drafter:
 
     def __init__(self, runner: ModelRunner, top_k: int = 0, top_p: float = 1.0):
         self.runner, self.top_k, self.top_p = runner, top_k, top_p
-        self._proposal: ModelProposal | None = None
+        # The proposal of the last tree drafted (which tree nodes the runner ran): accept() commits
+        # along it. rsd_runtime.predraft swaps it together with the runner's state.
+        self.proposal: ModelProposal | None = None
 
     def draft(
         self,
@@ -129,17 +131,17 @@ class Drafter:
     ) -> DraftTree:
         """The next tree; generator: step_generator(seed, Stream.DRAFT, len(committed) - 1). stop is
         asked before each forward; when it says True the draft raises DraftStopped."""
-        self._proposal = ModelProposal(self.runner, committed, params, self.top_k, self.top_p, stop)
-        return method.draft(self._proposal, committed[-1], generator, params.greedy, device="cpu")
+        self.proposal = ModelProposal(self.runner, committed, params, self.top_k, self.top_p, stop)
+        return method.draft(self.proposal, committed[-1], generator, params.greedy, device="cpu")
 
     def accept(self, committed_before: list[int], verdict: Verdict) -> None:
-        commit_path(self.runner, committed_before, self._proposal.tentative_of, verdict.accepted_idx)
-        self._proposal = None
+        commit_path(self.runner, committed_before, self.proposal.tentative_of, verdict.accepted_idx)
+        self.proposal = None
 
     @property
     def num_forwards(self) -> int:
         """Draft-model forwards of the tree being verified."""
-        return self._proposal.num_forwards if self._proposal else 0
+        return self.proposal.num_forwards if self.proposal else 0
 
 
 class Verifier:

@@ -27,7 +27,9 @@ PreDraftMismatchError otherwise (a wrong key would silently change the output la
 Prediction (only speed depends on it). The emitted tokens follow the target law q; the drafter
 knows its own law p and bets q ≈ p: outcome (path to node v, token x not among v's children) has
 probability ≈ P_p(path) · p(x | v). Laws of nodes that were run come with the tree; the leaves were
-never run, so one extra forward runs the likeliest leaves (then dropped) for their laws.
+never run, so one extra forward runs the likeliest leaves (then dropped) for their laws. (At T = 0
+a rank model learned from the session's verdicts did no better on the test pair, nor did putting
+the draft's own greedy walk first.)
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ class PreDrafter:
         """Tree was drafted from `committed` and sent; finishes(tokens) says whether committing these
         tokens ends the run (no tree follows, nothing to pre-draft)."""
         self.committed, self.tree, self.finishes = list(committed), tree, finishes
-        self.sent = self.drafter._proposal
+        self.sent = self.drafter.proposal
         self.base = self.runner.save(self.runner.cache_len)
         self.drafts, self.num_forwards, self._ranked = {}, 0, None
 
@@ -105,7 +107,7 @@ class PreDrafter:
         or stop() said True (checked before each forward; a stopped draft is dropped)."""
         try:
             if self._ranked is None:
-                self._ranked = self._rank(stop)
+                self._ranked = self.rank(stop)
             while self._ranked:
                 outcome = self._ranked.pop(0)
                 if outcome not in self.drafts:
@@ -117,14 +119,14 @@ class PreDrafter:
             return False
         finally:
             self.runner.restore(self.base)
-            self.drafter._proposal = self.sent
+            self.drafter.proposal = self.sent
 
     def take(self, verdict: Verdict) -> DraftTree | None:
         """The pre-drafted next tree for this verdict (the drafter then holds that tree's state), or
         None (the drafter holds the sent tree's state, as if nothing had been pre-drafted)."""
         entry = self.drafts.get(outcome_of(verdict))
         self.runner.restore(self.base)
-        self.drafter._proposal = self.sent
+        self.drafter.proposal = self.sent
         if entry is None:
             return None
         prefix = self.committed + verdict.token_ids
@@ -134,7 +136,7 @@ class PreDrafter:
                 f"the verdict committed {verdict.token_ids}"
             )
         self.runner.restore(entry.state)
-        self.drafter._proposal = entry.proposal
+        self.drafter.proposal = entry.proposal
         return entry.tree
 
     def wasted_forwards(self, hit: DraftTree | None) -> int:
@@ -152,9 +154,9 @@ class PreDrafter:
         finally:
             self.num_forwards += self.drafter.num_forwards
         state = self.runner.save(self.base.start)
-        return PreDraft(outcome, prefix, tree, self.drafter._proposal, state, self.drafter.num_forwards)
+        return PreDraft(outcome, prefix, tree, self.drafter.proposal, state, self.drafter.num_forwards)
 
-    def _rank(self, stop: Callable[[], bool] | None) -> list[Outcome]:
+    def rank(self, stop: Callable[[], bool] | None) -> list[Outcome]:
         """The max_outcomes likeliest outcomes under the draft's own laws, likeliest first, without
         those that end the run."""
         tree, ran = self.tree, self.sent.tentative_of
@@ -203,14 +205,19 @@ class PipelinedGenerator(SpeculativeGenerator):
         self.max_outcomes = max_outcomes
         self._pre: PreDrafter | None = None
 
+    def generate(self, *args, **kwargs):
+        self._pre = None  # one PreDrafter per generation, as one per drafter-service run
+        return super().generate(*args, **kwargs)
+
     def _before_verify(self, committed, tree, method, params, seed, finishes) -> None:
-        self._pre = PreDrafter(self.drafter, method, params, seed, self.max_outcomes)
+        if self._pre is None:
+            self._pre = PreDrafter(self.drafter, method, params, seed, self.max_outcomes)
         self._pre.begin(committed, tree, finishes)
         while self._pre.draft_next():
             pass
 
     def _after_verdict(self, committed: list[int], verdict: Verdict, stats: GenerationStats) -> DraftTree | None:
-        pre, self._pre = self._pre, None
+        pre = self._pre
         tree = pre.take(verdict)
         stats.predraft_trees += len(pre.drafts)
         stats.wasted_draft_forwards += pre.wasted_forwards(tree)

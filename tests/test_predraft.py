@@ -37,12 +37,12 @@ def pair(tmp_path_factory):
 
 
 def _never_right(self, stop):
-    """A PreDrafter._rank that predicts the root's least likely token: (almost) always a miss."""
+    """A PreDrafter.rank that predicts the root's least likely token: (almost) always a miss."""
     return [((), int(self.tree.draft_probs[0].argmin()))]
 
 
 def _predraft_all(pre: PreDrafter, stop, deadline) -> None:
-    """drafter_service.engine._predraft without its stops: every ranked outcome, whatever the time."""
+    """drafter_service.engine.predraft_while_waiting without its stops: every outcome, whatever the time."""
     while pre.draft_next():
         pass
 
@@ -133,7 +133,7 @@ def test_pipelined_equals_plain_in_process(pair, name, shape):
 
 def test_misses_change_nothing_in_process(pair, monkeypatch):
     draft, target = pair
-    monkeypatch.setattr(PreDrafter, "_rank", _never_right)
+    monkeypatch.setattr(PreDrafter, "rank", _never_right)
     plain = SpeculativeGenerator(ModelRunner(target, MAX_LEN), ModelRunner(draft, MAX_LEN))
     piped = PipelinedGenerator(ModelRunner(target, MAX_LEN), ModelRunner(draft, MAX_LEN))
     for name, shape in METHODS:
@@ -201,8 +201,8 @@ def test_pipelined_equals_plain_through_services(pair):
 
 
 def test_misses_change_nothing_through_services(pair, monkeypatch):
-    monkeypatch.setattr(PreDrafter, "_rank", _never_right)
-    monkeypatch.setattr(drafter_engine, "_predraft", _predraft_all)
+    monkeypatch.setattr(PreDrafter, "rank", _never_right)
+    monkeypatch.setattr(drafter_engine, "predraft_while_waiting", _predraft_all)
     name, shape = "rsd_s", "3x3"
     expected = reference(pair, PROMPT, Method.parse(name, shape), SamplingParams(0.6), 9)
 
@@ -219,7 +219,7 @@ def test_misses_change_nothing_through_services(pair, monkeypatch):
 def test_every_outcome_predrafted_through_services_hits_as_in_process(pair, monkeypatch):
     """With the timing taken out (the drafter pre-drafts all its outcomes before it reads each verdict),
     the service's hits and misses are the in-process PipelinedGenerator's, step for step."""
-    monkeypatch.setattr(drafter_engine, "_predraft", _predraft_all)
+    monkeypatch.setattr(drafter_engine, "predraft_while_waiting", _predraft_all)
     jobs = [(name, shape, temperature, 3) for name, shape in METHODS for temperature in (0.0, 1.0)]
     draft, target = pair
     piped = PipelinedGenerator(
