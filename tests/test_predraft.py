@@ -84,6 +84,9 @@ def test_a_step_draws_by_position_not_by_history(pair):
     assert 0 < cut < len(whole)
     rest = gen.generate(PROMPT + whole[:cut], method, params, max_new_tokens=16 - cut, seed=5).token_ids
     assert whole[:cut] + rest == whole
+    ar_whole = gen.generate(PROMPT, None, params, max_new_tokens=8, seed=5).token_ids  # every token a step
+    ar_rest = gen.generate(PROMPT + ar_whole[:3], None, params, max_new_tokens=5, seed=5).token_ids
+    assert ar_whole[:3] + ar_rest == ar_whole
 
 
 # ---------------------------------------------------------------------------------------------
