@@ -46,7 +46,9 @@ def _forward_with_catch_up(runner: ModelRunner, committed: list[int], token_ids:
     return runner.forward(ids, parents)[m:]
 
 
-def commit_path(runner: ModelRunner, committed: list[int], tentative_of: dict[int, int], accepted_idx: list[int]):
+def commit_path(
+    runner: ModelRunner, committed: list[int], tentative_of: dict[int, int], accepted_idx: list[int]
+) -> None:
     """Keep the catch-up chain, the root and the accepted nodes the runner has run."""
     m = len(committed) - 1 - runner.cache_len  # catch-up chain length; the root follows it
     keep = list(range(m + 1)) + [tentative_of[n] for n in accepted_idx if n in tentative_of]
@@ -339,12 +341,12 @@ class SpeculativeGenerator:
         if tree is None:
             tree = self.drafter.draft(committed, method, params, step_generator(seed, Stream.DRAFT, root_position))
         stats.draft_forwards += self.drafter.num_forwards
-        self._before_verify(committed, tree, method, params, seed, finishes)
+        self.before_verify(committed, tree, method, params, seed, finishes)
         t_verify = time.perf_counter()
         verify_gen = step_generator(seed, Stream.VERIFY, root_position)
         verdict = self.verifier.verify(committed, tree, method.rule(params.greedy), params, verify_gen)
         t_accept = time.perf_counter()
-        self._next_tree = self._after_verdict(committed, verdict, stats)
+        self._next_tree = self.after_verdict(committed, verdict, stats)
         if self._next_tree is None:
             self.drafter.accept(committed, verdict)
         stats.draft_s += (t_verify - t) + (time.perf_counter() - t_accept)
@@ -353,9 +355,17 @@ class SpeculativeGenerator:
         stats.record(verdict, method.depth)
         return verdict.token_ids
 
-    def _before_verify(self, committed, tree, method, params, seed, finishes) -> None:
+    def before_verify(
+        self,
+        committed: list[int],
+        tree: DraftTree,
+        method: Method,
+        params: SamplingParams,
+        seed: int,
+        finishes: Callable[[list[int]], bool],
+    ) -> None:
         """Hook: the tree is drafted, the target has not seen it (rsd_runtime.predraft drafts ahead here)."""
 
-    def _after_verdict(self, committed: list[int], verdict: Verdict, stats: GenerationStats) -> DraftTree | None:
+    def after_verdict(self, committed: list[int], verdict: Verdict, stats: GenerationStats) -> DraftTree | None:
         """Hook: the next tree if it is drafted already (the drafter then holds its state), else None."""
         return None

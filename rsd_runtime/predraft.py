@@ -47,6 +47,7 @@ from rsd.tree import DraftTree, path_to
 from rsd_runtime.generator import (
     Drafter,
     DraftStopped,
+    GenerationResult,
     GenerationStats,
     ModelProposal,
     SpeculativeGenerator,
@@ -205,18 +206,26 @@ class PipelinedGenerator(SpeculativeGenerator):
         self.max_outcomes = max_outcomes
         self._pre: PreDrafter | None = None
 
-    def generate(self, *args, **kwargs):
+    def generate(self, *args, **kwargs) -> GenerationResult:
         self._pre = None  # one PreDrafter per generation, as one per drafter-service run
         return super().generate(*args, **kwargs)
 
-    def _before_verify(self, committed, tree, method, params, seed, finishes) -> None:
+    def before_verify(
+        self,
+        committed: list[int],
+        tree: DraftTree,
+        method: Method,
+        params: SamplingParams,
+        seed: int,
+        finishes: Callable[[list[int]], bool],
+    ) -> None:
         if self._pre is None:
             self._pre = PreDrafter(self.drafter, method, params, seed, self.max_outcomes)
         self._pre.begin(committed, tree, finishes)
         while self._pre.draft_next():
             pass
 
-    def _after_verdict(self, committed: list[int], verdict: Verdict, stats: GenerationStats) -> DraftTree | None:
+    def after_verdict(self, committed: list[int], verdict: Verdict, stats: GenerationStats) -> DraftTree | None:
         pre = self._pre
         tree = pre.take(verdict)
         stats.predraft_trees += len(pre.drafts)

@@ -69,7 +69,7 @@ def test_step_seed_is_stable_and_separates_streams_and_positions():
 class _StepRoots(SpeculativeGenerator):
     """Records the committed length at each step."""
 
-    def _before_verify(self, committed, *args) -> None:
+    def before_verify(self, committed, *args) -> None:
         self.lengths.append(len(committed))
 
 
