@@ -263,6 +263,18 @@ def step_generator(seed: int, stream: Stream, root_position: int) -> torch.Gener
     return torch.Generator().manual_seed(step_seed(seed, stream, root_position))
 
 
+@dataclass(frozen=True)
+class Step:
+    """One speculative step of SpeculativeGenerator, as its hooks see it."""
+
+    committed: list[int]
+    tree: DraftTree  # drafted from committed, not verified yet
+    method: Method
+    params: SamplingParams
+    seed: int
+    finishes: Callable[[list[int]], bool]  # whether committing these tokens ends the generation
+
+
 def _finishes(tokens: list[int], budget: int, eos_token_ids: tuple[int, ...]) -> bool:
     """Whether committing `tokens` ends a generation with `budget` tokens left."""
     return len(tokens) >= budget or any(t in eos_token_ids for t in tokens)
@@ -341,7 +353,7 @@ class SpeculativeGenerator:
         if tree is None:
             tree = self.drafter.draft(committed, method, params, step_generator(seed, Stream.DRAFT, root_position))
         stats.draft_forwards += self.drafter.num_forwards
-        self.before_verify(committed, tree, method, params, seed, finishes)
+        self.before_verify(Step(committed, tree, method, params, seed, finishes))
         t_verify = time.perf_counter()
         verify_gen = step_generator(seed, Stream.VERIFY, root_position)
         verdict = self.verifier.verify(committed, tree, method.rule(params.greedy), params, verify_gen)
@@ -355,15 +367,7 @@ class SpeculativeGenerator:
         stats.record(verdict, method.depth)
         return verdict.token_ids
 
-    def before_verify(
-        self,
-        committed: list[int],
-        tree: DraftTree,
-        method: Method,
-        params: SamplingParams,
-        seed: int,
-        finishes: Callable[[list[int]], bool],
-    ) -> None:
+    def before_verify(self, step: Step) -> None:
         """Hook: the tree is drafted, the target has not seen it (rsd_runtime.predraft drafts ahead here)."""
 
     def after_verdict(self, committed: list[int], verdict: Verdict, stats: GenerationStats) -> DraftTree | None:

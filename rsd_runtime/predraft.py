@@ -51,6 +51,7 @@ from rsd_runtime.generator import (
     GenerationStats,
     ModelProposal,
     SpeculativeGenerator,
+    Step,
     Stream,
     commit_path,
     step_generator,
@@ -210,18 +211,10 @@ class PipelinedGenerator(SpeculativeGenerator):
         self._pre = None  # one PreDrafter per generation, as one per drafter-service run
         return super().generate(*args, **kwargs)
 
-    def before_verify(
-        self,
-        committed: list[int],
-        tree: DraftTree,
-        method: Method,
-        params: SamplingParams,
-        seed: int,
-        finishes: Callable[[list[int]], bool],
-    ) -> None:
+    def before_verify(self, step: Step) -> None:
         if self._pre is None:
-            self._pre = PreDrafter(self.drafter, method, params, seed, self.max_outcomes)
-        self._pre.begin(committed, tree, finishes)
+            self._pre = PreDrafter(self.drafter, step.method, step.params, step.seed, self.max_outcomes)
+        self._pre.begin(step.committed, step.tree, step.finishes)
         while self._pre.draft_next():
             pass
 

@@ -69,8 +69,8 @@ def test_step_seed_is_stable_and_separates_streams_and_positions():
 class _StepRoots(SpeculativeGenerator):
     """Records the committed length at each step."""
 
-    def before_verify(self, committed, *args) -> None:
-        self.lengths.append(len(committed))
+    def before_verify(self, step) -> None:
+        self.lengths.append(len(step.committed))
 
 
 def test_a_step_draws_by_position_not_by_history(pair):
