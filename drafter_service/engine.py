@@ -27,7 +27,7 @@ import logging
 import math
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -100,6 +100,12 @@ class _Slot:
     cached_ids: list[int] = field(default_factory=list)  # tokens whose K/V the runner holds
     busy: bool = False
     drafting: asyncio.Future | None = None  # the worker thread drafting on the runner, if any
+
+
+# A session whose last PREDRAFT_PROBATION_STEPS pre-drafting steps all missed pre-drafts one outcome
+# per step (not predraft_outcomes) until one hits: its draft does not predict its target well enough
+# to pay for the forwards (on shared cores they slow the verifier down).
+PREDRAFT_PROBATION_STEPS = 8
 
 
 @dataclass
@@ -206,10 +212,7 @@ class DrafterEngine:
             yield StepResult(start, [], None, common_pb2.FINISH_REASON_LENGTH)
             return
         drafter = Drafter(slot.runner, self.config.proposal_top_k, self.config.proposal_top_p)
-        pre = None
-        if self.config.predraft:
-            pre = PreDrafter(drafter, job.method, job.sampling, job.seed, self.config.predraft_outcomes)
-        round_trip_s = math.inf  # the session's measured verify round trip: the time pre-drafting may use
+        ahead = _Ahead(self, slot, drafter, job) if self.config.predraft else None
         next_tree = None
         async with channel(job.verifier_address, self.verifier_security) as verifier_channel:
             stub = verifier_pb2_grpc.VerifierStub(verifier_channel)
@@ -229,24 +232,17 @@ class DrafterEngine:
                     msg = draft_tree_to_proto(
                         tree, session_id=job.session_id, epoch=job.epoch, root_position=len(committed) - 1
                     )
-                    predrafting, stop = None, threading.Event()
-                    if pre is not None:
-                        budget = job.max_new_tokens - (len(committed) - start)
-                        pre.begin(committed, tree, lambda tokens, budget=budget: bool(_cut(tokens, budget, job)[1]))
-                        predrafting = self._in_thread(slot, predraft_while_waiting, pre, stop, t1 + round_trip_s)
+                    if ahead is not None:
+                        ahead.start(committed, tree, job.max_new_tokens - (len(committed) - start), t1)
                     try:
                         reply = await call.exchange(msg, cancel)
                     finally:
-                        stop.set()
-                        if predrafting is not None:
-                            await asyncio.wait({predrafting})  # the runner is free again, in tree t's state
-                    if predrafting is not None:
-                        predrafting.result()  # a failure in the worker thread is a bug: raise it
+                        if ahead is not None:
+                            await ahead.stop()  # the runner is free again, holding tree t's state
                     if reply is None:
                         yield StepResult(len(committed), [], None, common_pb2.FINISH_REASON_CANCELLED)
                         return
                     t2 = time.perf_counter()
-                    round_trip_s = t2 - t1 if math.isinf(round_trip_s) else 0.5 * (round_trip_s + t2 - t1)
                     verdict = _check_verdict(reply, msg, tree)
                     stats = common_pb2.StepStats(
                         num_draft_tokens=tree.num_nodes - 1,
@@ -256,9 +252,8 @@ class DrafterEngine:
                         round_trip_ms=(t2 - t1) * 1000,
                         verifier=reply.stats,
                     )
-                    if pre is not None:
-                        next_tree = pre.take(verdict)
-                        self._count_predraft(pre, next_tree, stats)
+                    if ahead is not None:
+                        next_tree = ahead.take(verdict, t2 - t1, stats)
                     if next_tree is None:
                         drafter.accept(committed, verdict)
                     slot.cached_ids = (committed + verdict.token_ids)[: slot.runner.cache_len]
@@ -276,16 +271,6 @@ class DrafterEngine:
         slot.drafting = asyncio.ensure_future(asyncio.to_thread(fn, *args))
         return asyncio.shield(slot.drafting)
 
-    def _count_predraft(self, pre: PreDrafter, next_tree, stats: common_pb2.StepStats) -> None:
-        stats.num_predrafted_trees = len(pre.drafts)
-        stats.predraft_hit = next_tree is not None
-        stats.wasted_draft_forwards = pre.wasted_forwards(next_tree)
-        totals = self.predraft_totals
-        totals.trees += len(pre.drafts)
-        totals.wasted_draft_forwards += stats.wasted_draft_forwards
-        totals.hits += next_tree is not None
-        totals.misses += next_tree is None and bool(pre.drafts)
-
     async def _attach(self, stub: verifier_pb2_grpc.VerifierStub, job: RunJob) -> None:
         request = verifier_pb2.AttachRequest(
             session_id=job.session_id, epoch=job.epoch, committed_token_ids=job.committed_ids, params=job.params
@@ -302,6 +287,53 @@ class DrafterEngine:
                 f"method {job.method.name} drafts up to {nodes} nodes; the verifier takes {reply.max_tree_nodes}"
             )
         self.last_attach[job.session_id] = reply
+
+
+class _Ahead:
+    """A run's pre-drafting (rsd_runtime.predraft): start() when a tree is sent, stop() when its verdict
+    is in, take() the tree drafted for that verdict, if any. Measured per session: the verify round
+    trip (pre-drafting starts no tree once it is used up) and whether recent steps hit."""
+
+    def __init__(self, engine: DrafterEngine, slot: _Slot, drafter: Drafter, job: RunJob):
+        self.engine, self.slot, self.job = engine, slot, job
+        self.max_outcomes = engine.config.predraft_outcomes
+        self.pre = PreDrafter(drafter, job.method, job.sampling, job.seed, self.max_outcomes)
+        self.round_trip_s = math.inf
+        self.recent_hits: deque[bool] = deque(maxlen=PREDRAFT_PROBATION_STEPS)  # steps that pre-drafted
+        self._stop, self._task = threading.Event(), None
+
+    def start(self, committed: list[int], tree: DraftTree, budget: int, sent_at: float) -> None:
+        """Tree was drafted from `committed` and goes out now; `budget` new tokens are left to the run."""
+        self.pre.begin(committed, tree, lambda tokens: bool(_cut(tokens, budget, self.job)[1]))
+        cold = len(self.recent_hits) == self.recent_hits.maxlen and not any(self.recent_hits)
+        limit = 1 if cold else self.max_outcomes
+        self._stop = threading.Event()
+        deadline = sent_at + self.round_trip_s
+        self._task = self.engine._in_thread(self.slot, predraft_while_waiting, self.pre, self._stop, deadline, limit)
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._task is not None:
+            await asyncio.wait({self._task})
+
+    def take(self, verdict: Verdict, round_trip_s: float, stats: common_pb2.StepStats) -> DraftTree | None:
+        """The next tree if it was drafted ahead (the drafter then holds its state), else None; counts it."""
+        self._task.result()  # a failure in the worker thread is a bug: raise it
+        self._task = None
+        rt = self.round_trip_s
+        self.round_trip_s = round_trip_s if math.isinf(rt) else 0.5 * (rt + round_trip_s)
+        pre, next_tree = self.pre, self.pre.take(verdict)
+        stats.num_predrafted_trees = len(pre.drafts)
+        stats.predraft_hit = next_tree is not None
+        stats.wasted_draft_forwards = pre.wasted_forwards(next_tree)
+        totals = self.engine.predraft_totals
+        totals.trees += len(pre.drafts)
+        totals.wasted_draft_forwards += stats.wasted_draft_forwards
+        totals.hits += next_tree is not None
+        totals.misses += next_tree is None and bool(pre.drafts)
+        if pre.drafts:
+            self.recent_hits.append(next_tree is not None)
+        return next_tree
 
 
 class _VerifyStream:
@@ -383,10 +415,11 @@ def _check_verdict(reply: verifier_pb2.Verdict, sent: verifier_pb2.DraftTree, tr
     return verdict
 
 
-def predraft_while_waiting(pre: PreDrafter, stop: threading.Event, deadline: float) -> None:
+def predraft_while_waiting(pre: PreDrafter, stop: threading.Event, deadline: float, limit: int) -> None:
     """Pre-draft outcome after outcome until the verdict is in (stop), the session's measured verify
-    round trip is used up (deadline, perf_counter seconds) or none is left. Worker thread."""
-    while time.perf_counter() < deadline and pre.draft_next(stop.is_set):
+    round trip is used up (deadline, perf_counter seconds), `limit` trees are drafted or none is
+    left. Worker thread."""
+    while len(pre.drafts) < limit and time.perf_counter() < deadline and pre.draft_next(stop.is_set):
         pass
 
 

@@ -41,7 +41,7 @@ def _never_right(self, stop):
     return [((), int(self.tree.draft_probs[0].argmin()))]
 
 
-def _predraft_all(pre: PreDrafter, stop, deadline) -> None:
+def _predraft_all(pre: PreDrafter, stop, deadline, limit) -> None:
     """drafter_service.engine.predraft_while_waiting without its stops: every outcome, whatever the time."""
     while pre.draft_next():
         pass
