@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from drafter_service import engine as drafter_engine
+from drafter_service.config import DrafterConfig
 from rsd.acceptance import Verdict
 from rsd.methods import Method
 from rsd.sampling import SamplingParams
@@ -21,6 +22,7 @@ from rsd_runtime.generator import Drafter, SpeculativeGenerator, Stream, step_ge
 from rsd_runtime.models import load_model
 from rsd_runtime.predraft import PipelinedGenerator, PreDrafter, PreDraftMismatchError, outcome_of
 from rsd_runtime.runner import ModelRunner
+from rsd_runtime.serving import load_config
 from rsd_runtime.tiny import build_tiny_pair
 from tests.test_services import gen_params, reference, run, services
 
@@ -245,3 +247,11 @@ def test_every_outcome_predrafted_through_services_hits_as_in_process(pair, monk
         assert sum(s.predraft_hit for s in stats) == hits, job
         assert sum(s.num_predrafted_trees > 0 and not s.predraft_hit for s in stats) == misses, job
     assert sum(h for _, h, _ in expected) > 0
+
+
+def test_predraft_settings_from_flags_and_env():
+    cfg = load_config(DrafterConfig, "drafter", ["--predraft-outcomes", "2"], env={"RSD_DRAFTER_PREDRAFT": "false"})
+    assert (cfg.predraft, cfg.predraft_outcomes) == (False, 2)
+    assert (DrafterConfig().predraft, DrafterConfig().predraft_outcomes) == (True, 4)  # on by default
+    with pytest.raises(ValueError, match="predraft_outcomes"):
+        load_config(DrafterConfig, "drafter", ["--predraft-outcomes", "0"], env={})
