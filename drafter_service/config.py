@@ -37,6 +37,12 @@ class DrafterConfig(PeerTLSConfig, ModelServiceConfig):
     # Verifier calls: deadline of Attach (which may queue behind a forward) in seconds. A verdict not
     # back within verify_timeout_s, or a Verify stream that broke, is resent on a fresh stream,
     # verify_attempts times in all.
+    # Pre-drafting (rsd_runtime.predraft): while a tree is verified, draft the next tree for up to
+    # predraft_outcomes predicted verdicts (fewer when the verdict comes back sooner than that takes);
+    # a verdict that matches one sends its tree at once. Exact: the output is token for token the
+    # same with it on or off; it costs draft forwards on trees that are never sent.
+    predraft: bool = True
+    predraft_outcomes: int = 4
     attach_timeout_s: float = 30.0
     verify_timeout_s: float = 60.0
     verify_attempts: int = 3
@@ -49,6 +55,7 @@ class DrafterConfig(PeerTLSConfig, ModelServiceConfig):
             "proposal_top_p": 0 < self.proposal_top_p <= 1,
             "draft_vocab": self.draft_vocab >= 0,
             "max_tree_nodes": 2 <= self.max_tree_nodes < self.max_len,
+            "predraft_outcomes": self.predraft_outcomes >= 1,
             "attach_timeout_s": self.attach_timeout_s > 0,
             "verify_timeout_s": self.verify_timeout_s > 0,
             "verify_attempts": self.verify_attempts >= 1,

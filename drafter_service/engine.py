@@ -11,20 +11,23 @@ One run of a session at one epoch:
     3. loop: Drafter.draft (a worker thread), send the DraftTree, read the Verdict, Drafter.accept,
        emit the committed tokens (cut at max_new_tokens and after an EOS id), until the budget is
        spent, an EOS is committed, or the run is cancelled
-The draft RNG is session_generators(seed)[0] and the verifier's is [1], so a run equals the
-in-process SpeculativeGenerator.generate with the same seed, token for token.
-
-Overlap left for later: while the verifier works on tree t, the drafter could already draft the
-likely continuations of tree t (e.g. from its most probable leaf) and keep the one the verdict
-picks; today drafting and verifying alternate.
+    With pre-drafting (config.predraft, on by default): while the verdict is awaited, a worker
+    thread drafts the next tree for the likeliest verdicts (rsd_runtime.predraft.PreDrafter); a
+    verdict that matches one sends its tree at once. It pre-drafts until the verdict is in, until
+    the session's measured verify round trip is used up, or predraft_outcomes trees are drafted.
+Each step's draws come from step_generator(seed, Stream.DRAFT, root position) here and (seed,
+Stream.VERIFY, root position) in the verifier, so a run equals the in-process
+SpeculativeGenerator.generate with the same seed, token for token, pre-drafting or not.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -37,7 +40,8 @@ from rsd.methods import Method
 from rsd.sampling import SamplingParams
 from rsd.tree import DraftTree, path_to
 from rsd_runtime.attention import check_model
-from rsd_runtime.generator import Drafter, session_generators
+from rsd_runtime.generator import Drafter, Stream, step_generator
+from rsd_runtime.predraft import PreDrafter
 from rsd_runtime.runner import ModelRunner
 from rsd_runtime.security import channel, peer_security
 from rsd_wire import common_pb2, verifier_pb2, verifier_pb2_grpc
@@ -98,6 +102,22 @@ class _Slot:
     drafting: asyncio.Future | None = None  # the worker thread drafting on the runner, if any
 
 
+# A session whose last PREDRAFT_PROBATION_STEPS pre-drafting steps all missed pre-drafts one outcome
+# per step (not predraft_outcomes) until one hits: its draft does not predict its target well enough
+# to pay for the forwards (on shared cores they slow the verifier down).
+PREDRAFT_PROBATION_STEPS = 8
+
+
+@dataclass
+class PreDraftTotals:
+    """Pre-drafting since the engine started (StepStats carry the same per step)."""
+
+    hits: int = 0  # verdicts whose next tree was drafted ahead
+    misses: int = 0  # verdicts with trees drafted ahead, none of them for that verdict
+    trees: int = 0  # trees drafted ahead
+    wasted_draft_forwards: int = 0  # draft forwards of trees never sent
+
+
 @dataclass
 class _Running:
     epoch: int
@@ -114,6 +134,7 @@ class DrafterEngine:
         self._running: dict[str, _Running] = {}
         self.last_attach: dict[str, verifier_pb2.AttachResponse] = {}  # session -> its latest AttachResponse
         self.verifier_security = peer_security(config)  # TLS and the internal token when dialing verifiers
+        self.predraft_totals = PreDraftTotals()
 
     @property
     def num_running(self) -> int:
@@ -191,7 +212,8 @@ class DrafterEngine:
             yield StepResult(start, [], None, common_pb2.FINISH_REASON_LENGTH)
             return
         drafter = Drafter(slot.runner, self.config.proposal_top_k, self.config.proposal_top_p)
-        draft_gen, _ = session_generators(job.seed)
+        ahead = _Ahead(self, slot, drafter, job) if self.config.predraft else None
+        next_tree = None
         async with channel(job.verifier_address, self.verifier_security) as verifier_channel:
             stub = verifier_pb2_grpc.VerifierStub(verifier_channel)
             await self._attach(stub, job)
@@ -202,22 +224,26 @@ class DrafterEngine:
                         yield StepResult(len(committed), [], None, common_pb2.FINISH_REASON_CANCELLED)
                         return
                     t0 = time.perf_counter()
-                    draft = asyncio.to_thread(drafter.draft, committed, job.method, job.sampling, draft_gen)
-                    slot.drafting = asyncio.ensure_future(draft)
-                    tree = await asyncio.shield(slot.drafting)
+                    tree, next_tree = next_tree, None
+                    if tree is None:
+                        gen = step_generator(job.seed, Stream.DRAFT, len(committed) - 1)
+                        tree = await self._in_thread(slot, drafter.draft, committed, job.method, job.sampling, gen)
                     t1 = time.perf_counter()
                     msg = draft_tree_to_proto(
                         tree, session_id=job.session_id, epoch=job.epoch, root_position=len(committed) - 1
                     )
-                    reply = await call.exchange(msg, cancel)
+                    if ahead is not None:
+                        ahead.start(committed, tree, job.max_new_tokens - (len(committed) - start), t1)
+                    try:
+                        reply = await call.exchange(msg, cancel)
+                    finally:
+                        if ahead is not None:
+                            await ahead.stop()  # the runner is free again, holding tree t's state
                     if reply is None:
                         yield StepResult(len(committed), [], None, common_pb2.FINISH_REASON_CANCELLED)
                         return
                     t2 = time.perf_counter()
                     verdict = _check_verdict(reply, msg, tree)
-                    drafter.accept(committed, verdict)
-                    slot.cached_ids = (committed + verdict.accepted_ids)[: slot.runner.cache_len]
-                    new, finish = _cut(verdict.token_ids, job.max_new_tokens - (len(committed) - start), job)
                     stats = common_pb2.StepStats(
                         num_draft_tokens=tree.num_nodes - 1,
                         num_accepted_tokens=len(verdict.accepted_ids),
@@ -226,12 +252,24 @@ class DrafterEngine:
                         round_trip_ms=(t2 - t1) * 1000,
                         verifier=reply.stats,
                     )
+                    if ahead is not None:
+                        next_tree = ahead.take(verdict, t2 - t1, stats)
+                    if next_tree is None:
+                        drafter.accept(committed, verdict)
+                    slot.cached_ids = (committed + verdict.token_ids)[: slot.runner.cache_len]
+                    new, finish = _cut(verdict.token_ids, job.max_new_tokens - (len(committed) - start), job)
                     yield StepResult(len(committed), new, stats, finish)
                     committed += new
                     if finish:
                         return
             finally:
                 call.cancel()
+
+    def _in_thread(self, slot: _Slot, fn, *args) -> asyncio.Future:
+        """Run fn(*args) on the slot's runner in a worker thread; slot.drafting tracks it (a cancelled
+        run waits for it before it lets go of the runner)."""
+        slot.drafting = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        return asyncio.shield(slot.drafting)
 
     async def _attach(self, stub: verifier_pb2_grpc.VerifierStub, job: RunJob) -> None:
         request = verifier_pb2.AttachRequest(
@@ -249,6 +287,53 @@ class DrafterEngine:
                 f"method {job.method.name} drafts up to {nodes} nodes; the verifier takes {reply.max_tree_nodes}"
             )
         self.last_attach[job.session_id] = reply
+
+
+class _Ahead:
+    """A run's pre-drafting (rsd_runtime.predraft): start() when a tree is sent, stop() when its verdict
+    is in, take() the tree drafted for that verdict, if any. Measured per session: the verify round
+    trip (pre-drafting starts no tree once it is used up) and whether recent steps hit."""
+
+    def __init__(self, engine: DrafterEngine, slot: _Slot, drafter: Drafter, job: RunJob):
+        self.engine, self.slot, self.job = engine, slot, job
+        self.max_outcomes = engine.config.predraft_outcomes
+        self.pre = PreDrafter(drafter, job.method, job.sampling, job.seed, self.max_outcomes)
+        self.round_trip_s = math.inf
+        self.recent_hits: deque[bool] = deque(maxlen=PREDRAFT_PROBATION_STEPS)  # steps that pre-drafted
+        self._stop, self._task = threading.Event(), None
+
+    def start(self, committed: list[int], tree: DraftTree, budget: int, sent_at: float) -> None:
+        """Tree was drafted from `committed` and goes out now; `budget` new tokens are left to the run."""
+        self.pre.begin(committed, tree, lambda tokens: bool(_cut(tokens, budget, self.job)[1]))
+        cold = len(self.recent_hits) == self.recent_hits.maxlen and not any(self.recent_hits)
+        limit = 1 if cold else self.max_outcomes
+        self._stop = threading.Event()
+        deadline = sent_at + self.round_trip_s
+        self._task = self.engine._in_thread(self.slot, predraft_while_waiting, self.pre, self._stop, deadline, limit)
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._task is not None:
+            await asyncio.wait({self._task})
+
+    def take(self, verdict: Verdict, round_trip_s: float, stats: common_pb2.StepStats) -> DraftTree | None:
+        """The next tree if it was drafted ahead (the drafter then holds its state), else None; counts it."""
+        self._task.result()  # a failure in the worker thread is a bug: raise it
+        self._task = None
+        rt = self.round_trip_s
+        self.round_trip_s = round_trip_s if math.isinf(rt) else 0.5 * (rt + round_trip_s)
+        pre, next_tree = self.pre, self.pre.take(verdict)
+        stats.num_predrafted_trees = len(pre.drafts)
+        stats.predraft_hit = next_tree is not None
+        stats.wasted_draft_forwards = pre.wasted_forwards(next_tree)
+        totals = self.engine.predraft_totals
+        totals.trees += len(pre.drafts)
+        totals.wasted_draft_forwards += stats.wasted_draft_forwards
+        totals.hits += next_tree is not None
+        totals.misses += next_tree is None and bool(pre.drafts)
+        if pre.drafts:
+            self.recent_hits.append(next_tree is not None)
+        return next_tree
 
 
 class _VerifyStream:
@@ -328,6 +413,14 @@ def _check_verdict(reply: verifier_pb2.Verdict, sent: verifier_pb2.DraftTree, tr
     if not ok:
         raise VerifierFailedError(grpc.StatusCode.UNAVAILABLE, "verdict does not match the tree that was sent")
     return verdict
+
+
+def predraft_while_waiting(pre: PreDrafter, stop: threading.Event, deadline: float, limit: int) -> None:
+    """Pre-draft outcome after outcome until the verdict is in (stop), the session's measured verify
+    round trip is used up (deadline, perf_counter seconds), `limit` trees are drafted or none is
+    left. Worker thread."""
+    while len(pre.drafts) < limit and time.perf_counter() < deadline and pre.draft_next(stop.is_set):
+        pass
 
 
 def _cut(token_ids: list[int], budget: int, job: RunJob) -> tuple[list[int], int]:

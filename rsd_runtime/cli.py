@@ -67,6 +67,14 @@ def _add_generate(sub) -> None:
         metavar="K",
         help="the drafter scores only the first K vocabulary ids (a cheaper output layer; still exact; 0 = all)",
     )
+    p.add_argument(
+        "--predraft",
+        type=int,
+        default=0,
+        metavar="N",
+        help="in-process: pre-draft the next tree for the N likeliest verdicts before each verification "
+        "(sequential here, so no faster: it reports the hit rate the drafter service would get; same tokens)",
+    )
     p.add_argument("--server", metavar="HOST:PORT", help="generate through the gateway at HOST:PORT")
     p.add_argument("--session-id", default="", help="with --server: continue this session with the prompt as its turn")
     p.add_argument("--stop", action="append", default=[], help="with --server: a stop sequence (repeatable)")
@@ -153,6 +161,7 @@ def generate(args) -> int:
     from rsd_runtime.attention import UnsupportedModelError
     from rsd_runtime.generator import SpeculativeGenerator
     from rsd_runtime.models import load_model, load_tokenizer, prune_draft_vocab, use_small_batch_linear
+    from rsd_runtime.predraft import PipelinedGenerator
     from rsd_runtime.runner import ModelRunner
 
     hf_logging.disable_progress_bar()
@@ -183,7 +192,12 @@ def generate(args) -> int:
     if method is not None:
         print(f"loading draft {draft_dir} ({args.draft_device}, {args.draft_dtype})", file=sys.stderr)
         draft = load(draft_dir, args.draft_device, args.draft_dtype, args.draft_vocab)
-    gen = SpeculativeGenerator(target, draft, args.draft_top_k, args.draft_top_p)
+    if args.predraft and draft is not None:
+        gen = PipelinedGenerator(
+            target, draft, args.predraft, draft_top_k=args.draft_top_k, draft_top_p=args.draft_top_p
+        )
+    else:
+        gen = SpeculativeGenerator(target, draft, args.draft_top_k, args.draft_top_p)
     prompt_ids = tokenizer.encode(args.prompt)
     eos = tuple(i for i in [tokenizer.eos_token_id] if i is not None)
     out = gen.generate(prompt_ids, method, params, args.max_new_tokens, eos, args.seed)
@@ -197,6 +211,12 @@ def generate(args) -> int:
         f"acceptance by depth {[round(a, 2) for a in s.acceptance_by_depth]}",
         file=sys.stderr,
     )
+    if isinstance(gen, PipelinedGenerator):
+        print(
+            f"pre-drafting: {s.predraft_hits} hits, {s.predraft_misses} misses, {s.predraft_trees} trees drafted "
+            f"ahead, {s.wasted_draft_forwards} wasted draft forwards",
+            file=sys.stderr,
+        )
     return 0
 
 

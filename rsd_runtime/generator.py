@@ -8,12 +8,19 @@ One step (a "block"):
 Committed tokens are the session's truth. Each runner caches all but the last committed token (the
 last one is the next tree's root); a runner that is behind (the drafter never ran an accepted leaf)
 runs the missing tokens as a chain in front of the next tree, in the same forward.
+
+Randomness is counter-based: a step's draws come from step_generator(seed, stream, root position),
+one stream for drafting and one for acceptance, so they depend on where the step starts and not on
+what ran before (the drafter service drafts ahead on that: rsd_runtime.predraft).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import IntEnum
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -39,11 +46,17 @@ def _forward_with_catch_up(runner: ModelRunner, committed: list[int], token_ids:
     return runner.forward(ids, parents)[m:]
 
 
-def _commit_path(runner: ModelRunner, committed: list[int], tentative_of: dict[int, int], verdict: Verdict) -> None:
+def commit_path(
+    runner: ModelRunner, committed: list[int], tentative_of: dict[int, int], accepted_idx: list[int]
+) -> None:
     """Keep the catch-up chain, the root and the accepted nodes the runner has run."""
     m = len(committed) - 1 - runner.cache_len  # catch-up chain length; the root follows it
-    keep = list(range(m + 1)) + [tentative_of[n] for n in verdict.accepted_idx if n in tentative_of]
+    keep = list(range(m + 1)) + [tentative_of[n] for n in accepted_idx if n in tentative_of]
     runner.commit(keep)
+
+
+class DraftStopped(Exception):
+    """A draft was stopped between two forwards (ModelProposal's `stop` said so)."""
 
 
 class ModelProposal:
@@ -51,9 +64,15 @@ class ModelProposal:
     (new ones) through the draft runner, tree-masked, in one forward."""
 
     def __init__(
-        self, runner: ModelRunner, committed: list[int], params: SamplingParams, top_k: int = 0, top_p: float = 1.0
+        self,
+        runner: ModelRunner,
+        committed: list[int],
+        params: SamplingParams,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        stop: Callable[[], bool] | None = None,
     ):
-        self.runner, self.committed = runner, committed
+        self.runner, self.committed, self.stop = runner, committed, stop
         # Greedy drafting ranks children by the plain softmax; its laws are never used for acceptance.
         self.params = SamplingParams(temperature=1.0) if params.greedy else params
         self.top_k, self.top_p = top_k, top_p  # drafter-side truncation of the proposal
@@ -62,6 +81,8 @@ class ModelProposal:
 
     def __call__(self, token_ids: Tensor, parent_idx: Tensor, node_idx: Tensor) -> Tensor:
         nodes = node_idx.tolist()
+        if self.stop is not None and self.stop():
+            raise DraftStopped
         if not self.tentative_of:  # first level: the root (plus any catch-up chain)
             assert nodes == [0], "the first proposal is asked at the root"
             m = len(self.committed) - 1 - self.runner.cache_len
@@ -73,8 +94,11 @@ class ModelProposal:
             logits = self.runner.forward(token_ids[node_idx], parents)  # [F, V]
             self.tentative_of.update({n: base + i for i, n in enumerate(nodes)})
         self.num_forwards += 1
-        probs = truncate(logits_to_probs(logits, self.params), self.top_k, self.top_p)  # [F, V]
-        return _same_prefix_same_law(probs, token_ids, parent_idx, nodes)
+        return _same_prefix_same_law(self.law(logits), token_ids, parent_idx, nodes)
+
+    def law(self, logits: Tensor) -> Tensor:
+        """The proposal law of draft logits [F, V] -> [F, V]: the sampling transform, then truncation."""
+        return truncate(logits_to_probs(logits, self.params), self.top_k, self.top_p)
 
 
 def _same_prefix_same_law(probs: Tensor, token_ids: Tensor, parent_idx: Tensor, nodes: list[int]) -> Tensor:
@@ -95,22 +119,31 @@ class Drafter:
 
     def __init__(self, runner: ModelRunner, top_k: int = 0, top_p: float = 1.0):
         self.runner, self.top_k, self.top_p = runner, top_k, top_p
-        self._proposal: ModelProposal | None = None
+        # The proposal of the last tree drafted (which tree nodes the runner ran): accept() commits
+        # along it. rsd_runtime.predraft swaps it together with the runner's state.
+        self.proposal: ModelProposal | None = None
 
     def draft(
-        self, committed: list[int], method: Method, params: SamplingParams, generator: torch.Generator
+        self,
+        committed: list[int],
+        method: Method,
+        params: SamplingParams,
+        generator: torch.Generator,
+        stop: Callable[[], bool] | None = None,
     ) -> DraftTree:
-        self._proposal = ModelProposal(self.runner, committed, params, self.top_k, self.top_p)
-        return method.draft(self._proposal, committed[-1], generator, params.greedy, device="cpu")
+        """The next tree; generator: step_generator(seed, Stream.DRAFT, len(committed) - 1). stop is
+        asked before each forward; when it says True the draft raises DraftStopped."""
+        self.proposal = ModelProposal(self.runner, committed, params, self.top_k, self.top_p, stop)
+        return method.draft(self.proposal, committed[-1], generator, params.greedy, device="cpu")
 
     def accept(self, committed_before: list[int], verdict: Verdict) -> None:
-        _commit_path(self.runner, committed_before, self._proposal.tentative_of, verdict)
-        self._proposal = None
+        commit_path(self.runner, committed_before, self.proposal.tentative_of, verdict.accepted_idx)
+        self.proposal = None
 
     @property
     def num_forwards(self) -> int:
         """Draft-model forwards of the tree being verified."""
-        return self._proposal.num_forwards if self._proposal else 0
+        return self.proposal.num_forwards if self.proposal else 0
 
 
 class Verifier:
@@ -128,7 +161,8 @@ class Verifier:
         self.last_forward_s = time.perf_counter() - t
         target_probs = logits_to_probs(logits, params).to(tree.draft_probs.dtype)  # [N, V]
         verdict = verify(tree, target_probs, rule, generator)
-        _commit_path(self.runner, committed, {n: n + self._offset(committed) for n in range(tree.num_nodes)}, verdict)
+        offset = self._offset(committed)
+        commit_path(self.runner, committed, {n: n + offset for n in range(tree.num_nodes)}, verdict.accepted_idx)
         return verdict
 
     def _offset(self, committed: list[int]) -> int:
@@ -153,6 +187,12 @@ class GenerationStats:
     verify_s: float = 0.0  # target forwards
     accept_s: float = 0.0  # target laws, the acceptance rule and the target cache's commit
     total_s: float = 0.0
+    # Pre-drafting (rsd_runtime.predraft): verdicts whose next tree was drafted ahead (hits) or not
+    # (misses), trees drafted ahead, and draft forwards spent on trees that were never sent.
+    predraft_hits: int = 0
+    predraft_misses: int = 0
+    predraft_trees: int = 0
+    wasted_draft_forwards: int = 0
 
     @property
     def block_efficiency(self) -> float:
@@ -184,10 +224,60 @@ class GenerationResult:
     stats: GenerationStats
 
 
-def session_generators(seed: int) -> tuple[torch.Generator, torch.Generator]:
-    """The drafter's and the verifier's RNGs for a session seed. Two streams, so that a distributed
-    run (drafter and verifier in different processes) reproduces the in-process run bit for bit."""
-    return torch.Generator().manual_seed(2 * seed), torch.Generator().manual_seed(2 * seed + 1)
+class Stream(IntEnum):
+    """The two random streams of a session: the drafter's draws and the verifier's acceptance draws."""
+
+    DRAFT = 0
+    VERIFY = 1
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """SplitMix64 (Steele, Lea, Flood 2014): a bijective 64-bit mixer, stable across processes and
+    Python versions (unlike hash(), which is salted per process)."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def step_seed(seed: int, stream: Stream, root_position: int) -> int:
+    """The 64-bit seed of one step's draws: splitmix64(splitmix64(splitmix64(seed) ^ stream) ^ root_position).
+
+    root_position is the absolute position of the step's root, len(committed) - 1. Counter-based:
+    a step's randomness depends on where the step starts, not on how many steps ran before, so a
+    tree drafted ahead for a predicted verdict (rsd_runtime.predraft), a re-run after a failover and
+    a resumed session draw exactly what an uninterrupted run draws at that position."""
+    if root_position < 0:
+        raise ValueError(f"root_position must be >= 0, got {root_position}")
+    x = _splitmix64(seed & _MASK64)
+    x = _splitmix64(x ^ int(stream))
+    return _splitmix64(x ^ root_position)
+
+
+def step_generator(seed: int, stream: Stream, root_position: int) -> torch.Generator:
+    """A CPU generator seeded with step_seed: the drafter, the verifier (in-process or as services)
+    and the autoregressive path all take their step's draws from it."""
+    return torch.Generator().manual_seed(step_seed(seed, stream, root_position))
+
+
+@dataclass(frozen=True)
+class Step:
+    """One speculative step of SpeculativeGenerator, as its hooks see it."""
+
+    committed: list[int]
+    tree: DraftTree  # drafted from committed, not verified yet
+    method: Method
+    params: SamplingParams
+    seed: int
+    finishes: Callable[[list[int]], bool]  # whether committing these tokens ends the generation
+
+
+def _finishes(tokens: list[int], budget: int, eos_token_ids: tuple[int, ...]) -> bool:
+    """Whether committing `tokens` ends a generation with `budget` tokens left."""
+    return len(tokens) >= budget or any(t in eos_token_ids for t in tokens)
 
 
 class SpeculativeGenerator:
@@ -201,6 +291,7 @@ class SpeculativeGenerator:
             raise ValueError(f"draft vocabulary {draft.vocab_size} != target vocabulary {target.vocab_size}")
         self.verifier = Verifier(target)
         self.drafter = Drafter(draft, draft_top_k, draft_top_p) if draft is not None else None
+        self._next_tree: DraftTree | None = None
 
     def generate(
         self,
@@ -216,19 +307,22 @@ class SpeculativeGenerator:
             raise ValueError("the prompt needs at least one token")
         if method is not None and self.drafter is None:
             raise ValueError(f"method {method.name} needs a draft model")
-        draft_gen, verify_gen = session_generators(seed)
         runners = [self.verifier.runner] + ([self.drafter.runner] if self.drafter else [])
         for runner in runners:
             runner.reset()
+        self._next_tree = None
         stats = GenerationStats(method.name if method else "ar")
         committed, start, t0 = list(prompt_ids), len(prompt_ids), time.perf_counter()
         while len(committed) - start < max_new_tokens:
             if method is None:
                 t = time.perf_counter()
+                verify_gen = step_generator(seed, Stream.VERIFY, len(committed) - 1)
                 new = [self.verifier.step_autoregressive(committed, params, verify_gen)]
                 stats.verify_s += time.perf_counter() - t
             else:
-                new = self._speculative_step(committed, method, params, draft_gen, verify_gen, stats)
+                budget = max_new_tokens - (len(committed) - start)
+                finishes = partial(_finishes, budget=budget, eos_token_ids=eos_token_ids)
+                new = self._speculative_step(committed, method, params, seed, stats, finishes)
             stats.target_calls += 1
             new = new[: max_new_tokens - (len(committed) - start)]
             for i, tok in enumerate(new):
@@ -247,19 +341,35 @@ class SpeculativeGenerator:
         committed: list[int],
         method: Method,
         params: SamplingParams,
-        draft_gen: torch.Generator,
-        verify_gen: torch.Generator,
+        seed: int,
         stats: GenerationStats,
+        finishes: Callable[[list[int]], bool],
     ) -> list[int]:
+        """One step: draft (or take the tree drafted ahead), verify, follow the verdict.
+        finishes(tokens): whether committing these tokens ends the generation (no next tree)."""
+        root_position = len(committed) - 1
         t = time.perf_counter()
-        tree = self.drafter.draft(committed, method, params, draft_gen)
+        tree, self._next_tree = self._next_tree, None
+        if tree is None:
+            tree = self.drafter.draft(committed, method, params, step_generator(seed, Stream.DRAFT, root_position))
         stats.draft_forwards += self.drafter.num_forwards
+        self.before_verify(Step(committed, tree, method, params, seed, finishes))
         t_verify = time.perf_counter()
+        verify_gen = step_generator(seed, Stream.VERIFY, root_position)
         verdict = self.verifier.verify(committed, tree, method.rule(params.greedy), params, verify_gen)
         t_accept = time.perf_counter()
-        self.drafter.accept(committed, verdict)
+        self._next_tree = self.after_verdict(committed, verdict, stats)
+        if self._next_tree is None:
+            self.drafter.accept(committed, verdict)
         stats.draft_s += (t_verify - t) + (time.perf_counter() - t_accept)
         stats.verify_s += self.verifier.last_forward_s
         stats.accept_s += t_accept - t_verify - self.verifier.last_forward_s
         stats.record(verdict, method.depth)
         return verdict.token_ids
+
+    def before_verify(self, step: Step) -> None:
+        """Hook: the tree is drafted, the target has not seen it (rsd_runtime.predraft drafts ahead here)."""
+
+    def after_verdict(self, committed: list[int], verdict: Verdict, stats: GenerationStats) -> DraftTree | None:
+        """Hook: the next tree if it is drafted already (the drafter then holds its state), else None."""
+        return None

@@ -198,6 +198,17 @@ class DrafterMetrics(ServiceMetrics):
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        # Pre-drafting (drafter_service.engine): verdicts whose next tree was drafted ahead (hits), verdicts
+        # with trees drafted ahead but none for them (misses), draft forwards of trees never sent.
+        self.predraft_hits = Counter(
+            "rsd_drafter_predraft_hits", "verdicts whose next tree was pre-drafted", registry=r
+        )
+        self.predraft_misses = Counter(
+            "rsd_drafter_predraft_misses", "verdicts none of whose pre-drafted trees matched", registry=r
+        )
+        self.wasted_draft_forwards = Counter(
+            "rsd_drafter_wasted_draft_forwards", "draft forwards of pre-drafted trees never sent", registry=r
+        )
 
     def observer(self, method: str) -> Callable[[Any], None] | None:
         if not method.endswith("/Run"):
@@ -205,8 +216,12 @@ class DrafterMetrics(ServiceMetrics):
 
         def observe(event: Any) -> None:
             if event.HasField("stats"):
-                self.draft_seconds.observe(event.stats.draft_ms / 1000)
-                self.round_trip_seconds.observe(event.stats.round_trip_ms / 1000)
+                stats = event.stats
+                self.draft_seconds.observe(stats.draft_ms / 1000)
+                self.round_trip_seconds.observe(stats.round_trip_ms / 1000)
+                self.predraft_hits.inc(stats.predraft_hit)
+                self.predraft_misses.inc(stats.num_predrafted_trees > 0 and not stats.predraft_hit)
+                self.wasted_draft_forwards.inc(stats.wasted_draft_forwards)
 
         return observe
 

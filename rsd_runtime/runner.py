@@ -18,6 +18,7 @@ Example: a prompt [a, b, c] then a draft tree with two candidates for the next t
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -71,6 +72,23 @@ class TreeKVLayer(CacheLayerMixin):
     def truncate(self, length: int) -> None:
         self.num_filled = length
 
+    def save(self, start: int) -> tuple[Tensor, Tensor] | None:
+        """Copies of the K/V at [start, num_filled)."""
+        if not self.is_initialized:
+            return None
+        return self.keys[:, :, start : self.num_filled].clone(), self.values[:, :, start : self.num_filled].clone()
+
+    def restore(self, start: int, saved: tuple[Tensor, Tensor] | None) -> None:
+        """Write back what save(start) copied; the layer then holds exactly what it held then."""
+        if saved is not None:
+            keys, values = saved
+            end = start + keys.shape[2]
+            self.keys[:, :, start:end] = keys
+            self.values[:, :, start:end] = values
+            self.num_filled = end
+        else:
+            self.num_filled = start
+
     def reset(self) -> None:
         self.num_filled = 0  # stale entries are overwritten before they are read
 
@@ -99,6 +117,17 @@ class TreeKVCache(Cache):
             layer.truncate(length)
 
 
+@dataclass(frozen=True)
+class RunnerState:
+    """ModelRunner.save(start): the runner's committed length, tentative tokens and the K/V from
+    `start` on. Positions below `start` must not change until it is restored."""
+
+    start: int
+    cache_len: int
+    parents: tuple[int, ...]
+    layers: tuple[tuple[Tensor, Tensor] | None, ...]
+
+
 class ModelRunner:
     """Tree-attention runner for one sequence (batch 1); see the module docstring."""
 
@@ -123,6 +152,22 @@ class ModelRunner:
         self.cache.reset()
         self.cache_len = 0
         self._parents = []
+
+    @torch.inference_mode()
+    def save(self, start: int) -> RunnerState:
+        """The state to come back to (restore) after trying tokens that may be thrown away: the K/V at
+        [start, cache_len + num_tentative) are copied; start <= cache_len."""
+        if not 0 <= start <= self.cache_len:
+            raise ValueError(f"save start {start} must be in [0, cache_len={self.cache_len}]")
+        layers = tuple(layer.save(start) for layer in self.cache.layers)
+        return RunnerState(start, self.cache_len, tuple(self._parents), layers)
+
+    @torch.inference_mode()
+    def restore(self, state: RunnerState) -> None:
+        """Back to the saved state, bit for bit (positions below state.start were not touched since)."""
+        for layer, saved in zip(self.cache.layers, state.layers, strict=True):
+            layer.restore(state.start, saved)
+        self.cache_len, self._parents = state.cache_len, list(state.parents)
 
     @torch.inference_mode()
     def forward(self, token_ids: Tensor, parent_idx: Tensor) -> Tensor:

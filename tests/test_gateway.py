@@ -40,7 +40,7 @@ from gateway.store import MemorySessionStore, RedisSessionStore
 from rsd.methods import Method
 from rsd.sampling import SamplingParams
 from rsd_runtime.client import RsdClient, build_params
-from rsd_runtime.generator import Drafter, SpeculativeGenerator, Verifier, session_generators
+from rsd_runtime.generator import Drafter, SpeculativeGenerator, Stream, Verifier, step_generator
 from rsd_runtime.models import load_model, load_tokenizer
 from rsd_runtime.runner import ModelRunner
 from rsd_runtime.serving import start_server
@@ -194,10 +194,12 @@ class ReferenceDrafter(drafter_pb2_grpc.DrafterServicer):
             params = sampling_params_from_proto(request.params.sampling)
             drafter = Drafter(ModelRunner(self.draft_model, 512))
             verifier = Verifier(ModelRunner(self.target_model, 512))
-            draft_gen, verify_gen = session_generators(request.params.seed)
+            seed = request.params.seed
             committed, produced, steps = list(request.committed_token_ids), 0, 0
 
             def step():
+                draft_gen = step_generator(seed, Stream.DRAFT, len(committed) - 1)
+                verify_gen = step_generator(seed, Stream.VERIFY, len(committed) - 1)
                 tree = drafter.draft(committed, method, params, draft_gen)
                 verdict = verifier.verify(committed, tree, method.rule(params.greedy), params, verify_gen)
                 drafter.accept(committed, verdict)

@@ -120,6 +120,12 @@ def test_every_service_exports_its_metrics(cluster):
     assert total(d, "rsd_drafter_requests_total", method="Run", code="OK") == 1
     assert total(d, "rsd_drafter_draft_seconds_count") == steps and total(d, "rsd_drafter_draft_seconds_sum") > 0
     assert total(d, "rsd_drafter_running") == 0
+    # pre-drafting (on by default; how much it does depends on timing): the gateway's step stats and
+    # the drafter's counters agree
+    assert total(d, "rsd_drafter_predraft_hits_total") == sum(s.predraft_hit for s in gen.steps)
+    misses = sum(s.num_predrafted_trees > 0 and not s.predraft_hit for s in gen.steps)
+    assert total(d, "rsd_drafter_predraft_misses_total") == misses
+    assert total(d, "rsd_drafter_wasted_draft_forwards_total") == sum(s.wasted_draft_forwards for s in gen.steps)
 
 
 def test_two_servers_in_one_process_keep_their_own_counts(cluster):

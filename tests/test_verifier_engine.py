@@ -11,7 +11,14 @@ from rsd.acceptance import RULES
 from rsd.methods import Method
 from rsd.sampling import SamplingParams
 from rsd.tree import DraftTree
-from rsd_runtime.generator import Drafter, SpeculativeGenerator, Verifier, _forward_with_catch_up, session_generators
+from rsd_runtime.generator import (
+    Drafter,
+    SpeculativeGenerator,
+    Stream,
+    Verifier,
+    _forward_with_catch_up,
+    step_generator,
+)
 from rsd_runtime.models import load_model
 from rsd_runtime.runner import ModelRunner
 from rsd_runtime.tiny import build_tiny_pair
@@ -119,7 +126,7 @@ def test_sessions_joining_and_leaving_match_generator(pair):
     )
     engine.release("warm-up")
     keys = engine.cache.layers[0].keys
-    state: dict[str, tuple] = {}  # active session: (committed, drafter, draft generator, verify generator)
+    state: dict[str, tuple] = {}  # active session: (committed, drafter, seed)
     done: dict[str, list[int]] = {}
     waited = False
     step = 0
@@ -132,10 +139,12 @@ def test_sessions_joining_and_leaving_match_generator(pair):
             except PoolFullError:
                 waited = True
                 continue
-            state[s] = (list(prompt), Drafter(ModelRunner(draft, 128)), *session_generators(seed))
+            state[s] = (list(prompt), Drafter(ModelRunner(draft, 128)), seed)
         reqs, before = [], {}
-        for s, (committed, drafter, draft_gen, verify_gen) in state.items():
+        for s, (committed, drafter, seed) in state.items():
             _, method, params, _, _ = jobs[s]
+            draft_gen = step_generator(seed, Stream.DRAFT, len(committed) - 1)
+            verify_gen = step_generator(seed, Stream.VERIFY, len(committed) - 1)
             tree = drafter.draft(committed, method, params, draft_gen)
             reqs.append(VerifyRequest(s, committed, tree, method.rule(params.greedy), params, verify_gen))
             before[s] = list(committed)

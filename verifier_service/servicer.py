@@ -2,9 +2,9 @@
 
 Per session it keeps what verifier.proto asks the verifier to know: the attached epoch, the
 committed sequence (set by Attach, extended by each verdict), the sampling params and acceptance
-rule, the acceptance RNG (rsd_runtime.generator.session_generators(seed)[1], made fresh at every
-Attach, so a run reproduces the in-process SpeculativeGenerator with the same seed), and the last
-verified step with its verdict for idempotent retries.
+rule, the seed (each step's acceptance draws come from step_generator(seed, Stream.VERIFY, root
+position), as in the in-process SpeculativeGenerator, so a run reproduces it token for token), and
+the last verified step with its verdict for idempotent retries.
 
 Status codes: malformed request or tree -> INVALID_ARGUMENT; session not attached -> NOT_FOUND;
 older epoch, or a tree whose root_position is not the end of the committed sequence ->
@@ -21,12 +21,11 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
-import torch
 
 from rsd.acceptance import Rule, Verdict
 from rsd.methods import Method
 from rsd.sampling import SamplingParams
-from rsd_runtime.generator import session_generators
+from rsd_runtime.generator import Stream, step_generator
 from rsd_wire import common_pb2, verifier_pb2, verifier_pb2_grpc
 from rsd_wire.convert import draft_tree_from_proto, generation_params_from_proto, verdict_to_proto
 from verifier_service.batcher import Batcher, BatchInfo
@@ -52,7 +51,7 @@ class _Session:
     params: SamplingParams
     method: Method
     rule: Rule
-    generator: torch.Generator  # acceptance draws
+    seed: int  # acceptance draws: step_generator(seed, Stream.VERIFY, root_position)
     cached_at_attach: int  # AttachResponse.cached_length_tokens
     last_tree: bytes = b""  # the last verified DraftTree, serialized, and its verdict
     last_verdict: verifier_pb2.Verdict | None = None
@@ -124,7 +123,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 params=params,
                 method=method,
                 rule=method.rule(params.greedy),
-                generator=session_generators(seed)[1],  # fresh at every Attach: a run replays from its seed
+                seed=seed,
                 cached_at_attach=cached,
             )
             self._last_used[sid] = time.monotonic()
@@ -217,7 +216,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 raise ValueError(
                     f"{root_position} cached + {tree.num_nodes} tree tokens exceed max_len={self.engine.max_len}"
                 )
-            request = VerifyRequest(sid, list(session.committed), tree, session.rule, session.params, session.generator)
+            generator = step_generator(session.seed, Stream.VERIFY, root_position)
+            request = VerifyRequest(sid, list(session.committed), tree, session.rule, session.params, generator)
             num_new = root_position - self.engine.cached_length(sid) + tree.num_nodes  # prefill chain + tree
             serialized = msg.SerializeToString(deterministic=True)
 

@@ -1,0 +1,230 @@
+"""Pre-drafting: while the target verifies tree t, draft tree t+1 for the verdicts the drafter expects.
+
+Words used below:
+    outcome    what a verdict does to the committed sequence, as a key: (accepted node indices after
+               the root, the token the verifier appends). Outcome o turns the committed tokens C into
+               C + [tokens of o's path] + [o's appended token].
+    pre-draft  the tree drafted for outcome o before the verdict is known, with the draft runner's
+               state it leaves (its K/V and tentative tokens)
+    hit / miss the verdict's outcome has a pre-draft (it is sent at once) / has none (draft as usual)
+
+    pre = PreDrafter(drafter, method, params, seed, max_outcomes=4)
+    pre.begin(committed, tree, finishes)   # tree t was sent; the drafter's runner holds its forwards
+    while pre.draft_next(stop): ...        # one more outcome per call (a worker thread, while waiting)
+    next_tree = pre.take(verdict)          # hit: tree t+1, the drafter holds its state; miss: None, the
+                                           # drafter holds tree t's state (accept + draft as usual)
+
+Exactness. The tree drafted after a verdict is a function of three things: the draft runner's state,
+the committed prefix, and the step's generator, step_generator(seed, DRAFT, root position). A
+pre-draft for o starts from the runner state saved when tree t was sent, commits o's path exactly
+as Drafter.accept would, and drafts with o's prefix and o's step generator: the same forwards on
+the same inputs as the loop without pre-drafting, so the same tree bit for bit, and the same
+runner state after it (saved, restored on a hit). On a miss, and between pre-drafts, the state
+saved at the send is restored. The verifier only ever sees the tree it would have seen. take()
+checks that a pre-draft it hands out was drafted for exactly the verdict's prefix and raises
+PreDraftMismatchError otherwise (a wrong key would silently change the output law).
+
+Prediction (only speed depends on it). The emitted tokens follow the target law q; the drafter
+knows its own law p and bets q ≈ p: outcome (path to node v, token x not among v's children) has
+probability ≈ P_p(path) · p(x | v). Laws of nodes that were run come with the tree; the leaves were
+never run, so one extra forward runs the likeliest leaves (then dropped) for their laws. (At T = 0
+a rank model learned from the session's verdicts did no better on the test pair, nor did putting
+the draft's own greedy walk first.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from rsd.acceptance import Verdict
+from rsd.methods import Method
+from rsd.sampling import SamplingParams
+from rsd.tree import DraftTree, path_to
+from rsd_runtime.generator import (
+    Drafter,
+    DraftStopped,
+    GenerationResult,
+    GenerationStats,
+    ModelProposal,
+    SpeculativeGenerator,
+    Step,
+    Stream,
+    commit_path,
+    step_generator,
+)
+from rsd_runtime.runner import ModelRunner, RunnerState
+
+Outcome = tuple[tuple[int, ...], int]  # (accepted node indices, root excluded; the appended token)
+
+
+def outcome_of(verdict: Verdict) -> Outcome:
+    return tuple(verdict.accepted_idx), verdict.next_token
+
+
+class PreDraftMismatchError(RuntimeError):
+    """A pre-drafted tree was about to answer a verdict whose prefix it was not drafted for."""
+
+
+@dataclass(frozen=True)
+class PreDraft:
+    outcome: Outcome
+    committed: list[int]  # the prefix the tree was drafted for: committed + the outcome's tokens
+    tree: DraftTree
+    proposal: ModelProposal  # the drafter's proposal of that tree (which nodes it ran)
+    state: RunnerState  # the draft runner right after drafting it
+    num_forwards: int
+
+
+class PreDrafter:
+    """Pre-drafts for one sent tree at a time (see the module docstring). Not thread-safe: one
+    thread at a time, and nothing else may use the drafter between begin() and take()."""
+
+    def __init__(self, drafter: Drafter, method: Method, params: SamplingParams, seed: int, max_outcomes: int):
+        if max_outcomes < 1:
+            raise ValueError(f"max_outcomes must be >= 1, got {max_outcomes}")
+        self.drafter, self.method, self.params, self.seed = drafter, method, params, seed
+        self.max_outcomes = max_outcomes
+        self.drafts: dict[Outcome, PreDraft] = {}
+        self.num_forwards = 0  # draft forwards spent pre-drafting for the current tree
+        self._ranked: list[Outcome] | None = None
+
+    @property
+    def runner(self) -> ModelRunner:
+        return self.drafter.runner
+
+    def begin(self, committed: list[int], tree: DraftTree, finishes: Callable[[list[int]], bool]) -> None:
+        """Tree was drafted from `committed` and sent; finishes(tokens) says whether committing these
+        tokens ends the run (no tree follows, nothing to pre-draft)."""
+        self.committed, self.tree, self.finishes = list(committed), tree, finishes
+        self.sent = self.drafter.proposal
+        self.base = self.runner.save(self.runner.cache_len)
+        self.drafts, self.num_forwards, self._ranked = {}, 0, None
+
+    def draft_next(self, stop: Callable[[], bool] | None = None) -> bool:
+        """Pre-draft one more outcome (the first call also ranks them); False when there is none left
+        or stop() said True (checked before each forward; a stopped draft is dropped)."""
+        try:
+            if self._ranked is None:
+                self._ranked = self.rank(stop)
+            while self._ranked:
+                outcome = self._ranked.pop(0)
+                if outcome not in self.drafts:
+                    self.drafts[outcome] = self._draft(outcome, stop)
+                    return True
+            return False
+        except DraftStopped:
+            self._ranked = []
+            return False
+        finally:
+            self.runner.restore(self.base)
+            self.drafter.proposal = self.sent
+
+    def take(self, verdict: Verdict) -> DraftTree | None:
+        """The pre-drafted next tree for this verdict (the drafter then holds that tree's state), or
+        None (the drafter holds the sent tree's state, as if nothing had been pre-drafted)."""
+        entry = self.drafts.get(outcome_of(verdict))
+        self.runner.restore(self.base)
+        self.drafter.proposal = self.sent
+        if entry is None:
+            return None
+        prefix = self.committed + verdict.token_ids
+        if entry.committed != prefix or int(entry.tree.token_ids[0]) != prefix[-1]:
+            raise PreDraftMismatchError(
+                f"pre-draft for outcome {entry.outcome} was drafted after {entry.committed[len(self.committed) :]}, "
+                f"the verdict committed {verdict.token_ids}"
+            )
+        self.runner.restore(entry.state)
+        self.drafter.proposal = entry.proposal
+        return entry.tree
+
+    def wasted_forwards(self, hit: DraftTree | None) -> int:
+        """Pre-drafting forwards that did not make the tree sent next."""
+        used = next((d.num_forwards for d in self.drafts.values() if d.tree is hit), 0)
+        return self.num_forwards - used
+
+    def _draft(self, outcome: Outcome, stop: Callable[[], bool] | None) -> PreDraft:
+        path, token = outcome
+        prefix = self.committed + self.tree.token_ids[list(path)].tolist() + [token]
+        commit_path(self.runner, self.committed, self.sent.tentative_of, list(path))
+        generator = step_generator(self.seed, Stream.DRAFT, len(prefix) - 1)
+        try:
+            tree = self.drafter.draft(prefix, self.method, self.params, generator, stop)
+        finally:
+            self.num_forwards += self.drafter.num_forwards
+        state = self.runner.save(self.base.start)
+        return PreDraft(outcome, prefix, tree, self.drafter.proposal, state, self.drafter.num_forwards)
+
+    def rank(self, stop: Callable[[], bool] | None) -> list[Outcome]:
+        """The max_outcomes likeliest outcomes under the draft's own laws, likeliest first, without
+        those that end the run."""
+        tree, ran = self.tree, self.sent.tentative_of
+        tokens, parents = tree.token_ids.tolist(), tree.parent_idx.tolist()
+        path_prob = [1.0] * tree.num_nodes
+        for n in range(1, tree.num_nodes):
+            path_prob[n] = path_prob[parents[n]] * float(tree.draft_probs[parents[n], tokens[n]])
+        laws = {n: tree.draft_probs[n] for n in ran}
+        leaves = sorted((n for n in range(tree.num_nodes) if n not in ran), key=lambda n: -path_prob[n])
+        laws.update(self._leaf_laws(leaves[: self.max_outcomes], stop))
+        scored = []
+        for v, law in laws.items():
+            children = {tokens[c] for c in tree.children(v)}
+            top = torch.topk(law, min(self.max_outcomes + len(children), law.shape[-1]))
+            for p, x in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+                if p > 0 and x not in children:
+                    scored.append((path_prob[v] * p, tuple(path_to(tree.parent_idx, v)), x))
+        scored.sort(key=lambda s: -s[0])
+        ranked = []
+        for _, path, x in scored:
+            if (path, x) not in ranked and not self.finishes([tokens[n] for n in path] + [x]):
+                ranked.append((path, x))
+        return ranked[: self.max_outcomes]
+
+    def _leaf_laws(self, leaves: list[int], stop: Callable[[], bool] | None) -> dict[int, Tensor]:
+        """Draft laws at leaves the drafter never ran: one forward on top of the sent tree, dropped after."""
+        runner = self.runner
+        room = runner.cache_len + runner.num_tentative + len(leaves) <= runner.max_len
+        if not leaves or not room or (stop is not None and stop()):
+            return {}
+        ran = self.sent.tentative_of
+        parents = torch.tensor([ran[int(self.tree.parent_idx[n])] for n in leaves])
+        logits = self.runner.forward(self.tree.token_ids[leaves], parents)  # [F, V]
+        self.num_forwards += 1
+        self.runner.restore(self.base)
+        return dict(zip(leaves, self.sent.law(logits), strict=True))
+
+
+class PipelinedGenerator(SpeculativeGenerator):
+    """SpeculativeGenerator that pre-drafts up to max_outcomes outcomes per step before verifying
+    (in one process nothing overlaps: this is the drafter service's pipelined loop made sequential,
+    to test that it changes no token)."""
+
+    def __init__(self, target: ModelRunner, draft: ModelRunner, max_outcomes: int = 4, **kwargs):
+        super().__init__(target, draft, **kwargs)
+        self.max_outcomes = max_outcomes
+        self._pre: PreDrafter | None = None
+
+    def generate(self, *args, **kwargs) -> GenerationResult:
+        self._pre = None  # one PreDrafter per generation, as one per drafter-service run
+        return super().generate(*args, **kwargs)
+
+    def before_verify(self, step: Step) -> None:
+        if self._pre is None:
+            self._pre = PreDrafter(self.drafter, step.method, step.params, step.seed, self.max_outcomes)
+        self._pre.begin(step.committed, step.tree, step.finishes)
+        while self._pre.draft_next():
+            pass
+
+    def after_verdict(self, committed: list[int], verdict: Verdict, stats: GenerationStats) -> DraftTree | None:
+        pre = self._pre
+        tree = pre.take(verdict)
+        stats.predraft_trees += len(pre.drafts)
+        stats.wasted_draft_forwards += pre.wasted_forwards(tree)
+        if tree is not None:
+            stats.predraft_hits += 1
+        elif pre.drafts:
+            stats.predraft_misses += 1
+        return tree
