@@ -243,6 +243,8 @@ def int8_unsupported(model: torch.nn.Module, dtype: str = "float32") -> str:
         return "this torch has no torch.ao.quantization.quantize_dynamic"
     if getattr(model, "rsd_quantize", "none") != "none":
         return "the model is quantised already"
+    if any(hasattr(m, "small_batch_rows") for m in model.modules()):
+        return "the model has small-batch linear layers: quantise first, then use_small_batch_linear"
     return ""
 
 
