@@ -928,8 +928,9 @@ def main(argv: list[str] | None = None) -> int:
         temperatures = parse_temperatures(args.temperatures or "0,1")
         quantize_modes = parse_quantize_modes(args.draft_quantize)
         draft_cost_tokens = tuple(parse_ints(args.draft_cost_tokens, "--draft-cost-tokens"))
+        speculative = [s for s in specs if s.method() is not None]
         for mode in quantize_modes[1:]:  # each further drafter runs every speculative method again
-            for spec in [s for s in specs if s.method() is not None]:
+            for spec in speculative:
                 variant = Spec(spec.name, spec.shape, mode)
                 specs.append(variant)
                 where[variant.label] = where.get(spec.label, [("custom", None)])

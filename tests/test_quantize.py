@@ -180,3 +180,31 @@ def test_services_helper_still_takes_a_given_model(int8_pair):
             assert dhandle.quantize == "none" and num_int8_layers(dhandle.engine.model) > 0
 
     asyncio.run(main())
+
+
+def test_bench_compares_drafters_in_one_run(tiny_dirs, tmp_path):
+    """rsd bench --draft-quantize none,int8,auto: every speculative method runs once per drafter (labels
+    +int8, +auto, rows say what was applied), each drafter's forward is timed by tokens, greedy rows
+    still equal ar, and the placement and CPU flags are recorded; --costs-only stops after the timings."""
+    import json
+
+    from rsd_runtime import bench
+
+    draft_dir, target_dir = tiny_dirs
+    argv = ["--draft", str(draft_dir), "--target", str(target_dir), "--out-dir", str(tmp_path), "--no-plots"]
+    argv += ["--draft-quantize", "none,int8,auto", "--draft-cost-tokens", "1,3", "--cost-reps", "1"]
+    assert bench.main([*argv, "--config", "ar;sd:2", "--num-prompts", "1", "--max-new-tokens", "6",
+                       "--temperatures", "0", "--threads", "1", "--name", "q"]) == 0  # fmt: skip
+    result = json.loads((tmp_path / "q.json").read_text())
+    rows = {r["label"]: r for r in result["rows"]}
+    assert set(rows) == {"ar", "sd:2", "sd:2+int8", "sd:2+auto"}
+    assert (rows["sd:2"]["draft_quantize"], rows["sd:2+int8"]["draft_quantize"]) == ("none", "int8")
+    assert rows["sd:2+auto"]["draft_quantize"] == result["settings"]["draft_quantize"]["auto"]
+    assert all(r["matches_ar"] for r in rows.values())
+    assert set(result["forward_costs"]["draft_ms_by_tokens"]["int8"]) == {"1", "3"}
+    assert set(result["forward_costs"]["c_by_draft"]) == {"none", "int8", "auto"}
+    assert result["machine"]["placement"]["threads"] == 1 and "cpu_flags" in result["machine"]
+    assert bench.main([*argv, "--costs-only", "--num-prompts", "1", "--name", "c"]) == 0
+    costs_only = json.loads((tmp_path / "c.json").read_text())
+    assert costs_only["rows"] == [] and costs_only["complete"]
+    assert set(costs_only["forward_costs"]["draft_ms_by_tokens"]) == {"none", "int8", "auto"}
