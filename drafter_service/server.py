@@ -23,7 +23,8 @@ from drafter_service.servicer import DrafterServicer
 from gateway.store import RedisSessionStore, ServiceInfo
 from rsd_runtime.attention import UnsupportedModelError
 from rsd_runtime.metrics import DrafterMetrics
-from rsd_runtime.models import load_model, prune_draft_vocab
+from rsd_runtime.models import load_model, prune_draft_vocab, quantize_draft
+from rsd_runtime.placement import Placement, PlacementError, apply_placement
 from rsd_runtime.serving import (
     Heartbeat,
     default_service_id,
@@ -50,6 +51,8 @@ class DrafterHandle:
     health: health.aio.HealthServicer
     metrics: DrafterMetrics
     heartbeat: Heartbeat | None = None
+    placement: Placement | None = None  # the cores and threads applied at start
+    quantize: str = "none"  # what quantize_draft applied to the loaded model ("none" for a given model)
 
     def service_info(self) -> ServiceInfo:
         capacity, load = self.config.max_sessions, self.engine.num_running
@@ -71,16 +74,14 @@ async def create_server(
     config: DrafterConfig, model: torch.nn.Module | None = None
 ) -> tuple[grpc.aio.Server, int, DrafterHandle]:
     """Start the drafter on config.host:config.port (0 picks a port). A `model` already loaded
-    replaces config.model (tests share one model between servers)."""
-    if config.threads:
-        torch.set_num_threads(config.threads)
+    replaces config.model (tests share one model between servers) and is used as given: draft_vocab
+    and quantize apply to a model this function loads. Placement (cores, threads) applies first."""
+    placement = apply_placement(config.cores, config.threads)
+    quantize = "none"
     if model is None:
         if not config.model:
             raise ValueError("--model is required: a local folder holding the draft model")
-        model = await asyncio.to_thread(
-            load_model, config.model, config.device, config.dtype, config.attn_implementation
-        )
-        prune_draft_vocab(model, config.draft_vocab)
+        model, quantize = await asyncio.to_thread(load_draft, config)
     engine = DrafterEngine(model, config)
     servicer = DrafterServicer(engine)
     metrics = DrafterMetrics(engine)
@@ -90,6 +91,7 @@ async def create_server(
     drafter_id = config.drafter_id or default_service_id("drafter", config.host, port)
     address = config.advertise_address or f"{config.host}:{port}"
     handle = DrafterHandle(config, drafter_id, address, engine, servicer, health_servicer, metrics)
+    handle.placement, handle.quantize = placement, quantize
     if config.redis_url:
         store = RedisSessionStore(redis.Redis.from_url(config.redis_url), namespace=config.redis_namespace)
         heartbeat = Heartbeat(store, handle.service_info, config.heartbeat_s, config.registration_ttl_s)
@@ -99,8 +101,25 @@ async def create_server(
             await handle.close(server, 0)
             raise
         handle.heartbeat = heartbeat
-    log.info("drafter %s on %s: %d sessions, max_len %d", drafter_id, address, config.max_sessions, config.max_len)
+    log.info(
+        "drafter %s on %s: %d sessions, max_len %d, quantize %s, cores %s, %d threads",
+        drafter_id,
+        address,
+        config.max_sessions,
+        config.max_len,
+        quantize,
+        placement.cores,
+        placement.threads,
+    )
     return server, port, handle
+
+
+def load_draft(config: DrafterConfig) -> tuple[torch.nn.Module, str]:
+    """The draft model as the config says: loaded, vocabulary pruned, then quantised (in that order:
+    rsd_runtime.models.quantize_draft). Returns (model, the quantisation applied)."""
+    model = load_model(config.model, config.device, config.dtype, config.attn_implementation)
+    prune_draft_vocab(model, config.draft_vocab)
+    return model, quantize_draft(model, config.quantize, config.dtype)
 
 
 async def serve(config: DrafterConfig) -> None:
@@ -112,10 +131,16 @@ async def serve(config: DrafterConfig) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    config = load_config(DrafterConfig, "drafter", sys.argv[1:] if argv is None else argv)
+    try:
+        config = load_config(DrafterConfig, "drafter", sys.argv[1:] if argv is None else argv)
+    except ValueError as e:  # a bad flag or env value: the reason, without a traceback
+        raise SystemExit(f"drafter: {e}") from None
     setup_logging(config.log_format)
     try:
         asyncio.run(serve(config))
     except UnsupportedModelError as e:  # refuse to start, with the reason, rather than serve a wrong law
         log.error("cannot serve %s exactly: %s", config.model, e)
         raise SystemExit(f"drafter: cannot serve {config.model} exactly: {e}") from None
+    except PlacementError as e:
+        log.error("cannot place the drafter: %s", e)
+        raise SystemExit(f"drafter: {e}") from None

@@ -3,3 +3,6 @@
 # Model dtypes by name, for flags and configs that must not import torch to parse; models.DTYPES maps
 # them to torch dtypes, and "auto" (models.parse_dtype) resolves to one of them per device.
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+# A drafter's quantisation (rsd_runtime.models.quantize_draft): none, int8 (dynamic int8 linear layers,
+# CPU), auto (int8 where a quick measurement finds it faster). Targets are never quantised.
+QUANTIZE_MODES = ("none", "int8", "auto")

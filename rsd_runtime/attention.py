@@ -194,6 +194,10 @@ def probe_tree_forward(model: PreTrainedModel, plan: AttentionPlan) -> float:
     else:
         err = float((tree_logits - ref)[finite].abs().max() / (1 + ref[finite].abs().max()))
     tolerance = _PROBE_TOLERANCE.get(model.dtype, _PROBE_TOLERANCE_16BIT)
+    if getattr(model, "rsd_quantize", "none") != "none":
+        # A dynamically quantised drafter rounds activations per forward (1.5e-2 on the tiny pair): its
+        # law need only be known to the verifier, not equal to anything, so only gross errors count.
+        tolerance = _PROBE_TOLERANCE_16BIT
     if not err <= tolerance:
         raise UnsupportedModelError(
             f"{arch}: a tree forward differs from the model's own causal forward (relative error {err:.1e} > "

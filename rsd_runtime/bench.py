@@ -23,7 +23,10 @@ one with the highest block efficiency per (method, budget, temperature) as "best
 target alone also runs with plain F.linear (ar:plain); --ar-dtype D adds the target alone loaded a
 second time in dtype D (ar:D), so the baseline is the fastest target configuration found in the same
 run; speedup_vs_ar divides by the fastest ar row. --draft-dtype/--target-dtype give each model its
-own dtype (as the drafter and verifier services do).
+own dtype (as the drafter and verifier services do). --draft-quantize none,int8 compares drafters in
+one run: every speculative method runs again with each further drafter (label +int8), and each
+drafter's forward is timed at --draft-cost-tokens (--costs-only: only those timings). --cores pins the
+process; the result files record the placement and the CPU's notable flags.
 
 Prompts: by default functions of the Python standard library of the running interpreter (a fixed
 module list; module-level functions with a docstring and a body after it), cut after the signature
@@ -59,7 +62,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from rsd_runtime import DTYPE_NAMES
+from rsd_runtime import DTYPE_NAMES, QUANTIZE_MODES
+from rsd_runtime.placement import add_placement_flags
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here reaches a model hub
 
@@ -173,10 +177,12 @@ def file_prompts(path: Path, n: int | None, seed: int) -> list[dict]:
 class Spec:
     name: str  # "ar", "hf_assisted" or an rsd.methods name
     shape: str = ""
+    draft: str = ""  # another drafter of --draft-quantize (e.g. "int8"); "" = the first one
 
     @property
     def label(self) -> str:
-        return f"{self.name}:{self.shape}" if self.shape else self.name
+        base = f"{self.name}:{self.shape}" if self.shape else self.name
+        return f"{base}+{self.draft}" if self.draft else base
 
     def method(self):
         """The rsd.methods.Method, or None for ar and hf_assisted."""
@@ -281,15 +287,27 @@ def parse_temperatures(text: str) -> list[float]:
 # ---------------------------------------------------------------- measuring
 
 
-def forward_costs(target, draft, prompt_ids: list[int], tree_sizes: list[int], reps: int) -> dict:
+def forward_costs(
+    target,
+    draft,
+    prompt_ids: list[int],
+    tree_sizes: list[int],
+    reps: int,
+    drafts: dict | None = None,
+    draft_tokens: tuple[int, ...] = (),
+) -> dict:
     """Single-token forward times of both models (for c) and the target's forward time for each n in
-    tree_sizes (n new tokens as a chain), all after the prompt sits in the cache. The timings are
-    interleaved (each rep runs every case once) and summarised by their minimum: a background load
-    only ever adds time, and it then hits draft and target alike. The first rep is a warm-up."""
+    tree_sizes (n new tokens as a chain), all after the prompt sits in the cache. `drafts` (name ->
+    runner, e.g. {"none": fp32, "int8": quantised}) are each timed at 1 and every n in draft_tokens:
+    draft_ms_by_tokens[name][n] and c_by_draft[name]. The timings are interleaved (each rep runs every
+    case once) and summarised by their minimum: a background load only ever adds time, and it then hits
+    draft and target alike. The first rep is a warm-up."""
     import torch
 
+    drafts = drafts or {}
     cases = [("target", target, 1)] + ([("draft", draft, 1)] if draft is not None else [])
     cases += [("target", target, n) for n in sorted(set(tree_sizes) - {1})]
+    cases += [(f"draft:{name}", runner, n) for name, runner in drafts.items() for n in sorted({1, *draft_tokens})]
     for runner in {id(r): r for _, r, _ in cases}.values():
         runner.reset()
         runner.forward(torch.tensor(prompt_ids), torch.arange(-1, len(prompt_ids) - 1))
@@ -312,6 +330,13 @@ def forward_costs(target, draft, prompt_ids: list[int], tree_sizes: list[int], r
     if draft is not None:
         out["c"] = out["draft_1tok_ms"] / out["target_1tok_ms"]
     out["target_ms_by_tokens"] = {str(n): min(ts) for (role, n), ts in times.items() if role == "target"}
+    if drafts:
+        out["draft_ms_by_tokens"] = {
+            name: {str(n): min(ts) for (role, n), ts in times.items() if role == f"draft:{name}"} for name in drafts
+        }
+        out["c_by_draft"] = {
+            name: by_n["1"] / out["target_1tok_ms"] for name, by_n in out["draft_ms_by_tokens"].items()
+        }
     return out
 
 
@@ -446,7 +471,7 @@ def _row(spec: Spec, temperature: float, tally: Tally, outputs: list[dict], cost
     calls = tally.target_calls
     be = tally.new_tokens / calls if calls else None  # hf_assisted: target forwards counted by a hook
     fwd_per_step = tally.draft_forwards / calls if calls else None
-    c = costs.get("c")
+    c = costs.get("c_by_draft", {}).get(spec.draft) if spec.draft else costs.get("c")
     mbsu = None if be is None else (be / (1 + c * fwd_per_step) if c is not None else (be if method is None else None))
     steady_tokens = tally.new_tokens - sum(o["first_step_tokens"] for o in outputs)
     steady_s = sum(o["steady_s"] for o in outputs)
@@ -461,6 +486,7 @@ def _row(spec: Spec, temperature: float, tally: Tally, outputs: list[dict], cost
         "best": None,  # fixed_nodes: the highest block efficiency of its method within the budget
         "temperature": temperature,
         "shape": spec.shape or None,
+        "draft_quantize": None,  # speculative rows: the drafter's quantisation (set in main)
         "depth": method.depth if method else (0 if spec.name == "ar" else None),
         "nodes": method.max_draft_tokens if method else (0 if spec.name == "ar" else None),
         "prompts": len(outputs),
@@ -530,7 +556,7 @@ def _placed(rows: list[dict], where: dict[str, list]) -> list[dict]:
     groups: dict[tuple, list[dict]] = {}
     for r in out:
         if r["protocol"] == "fixed_nodes" and r["block_efficiency"] is not None:
-            groups.setdefault((r["method"], r["budget"], r["temperature"]), []).append(r)
+            groups.setdefault((r["method"], r.get("draft_quantize"), r["budget"], r["temperature"]), []).append(r)
     for group in groups.values():
         top = max(group, key=lambda r: r["block_efficiency"])
         for r in group:
@@ -539,6 +565,12 @@ def _placed(rows: list[dict], where: dict[str, list]) -> list[dict]:
 
 
 # ---------------------------------------------------------------- report
+
+
+def _method_cell(r: dict) -> str:
+    """The method, with its drafter's quantisation when it has one (e.g. "rsd_s int8")."""
+    q = r.get("draft_quantize")
+    return r["method"] + (f" {q}" if q and q != "none" else "")
 
 
 def _fmt(v, digits=2) -> str:
@@ -562,7 +594,13 @@ def markdown(result: dict) -> str:
         + (f", draft {result['models']['draft']['dtype']}" if result["models"]["draft"] else "")
         + f" on {result['models']['target']['device']}",
         f"- machine: {result['machine']['cpu_model']}, {result['machine']['cores']} cores, torch "
-        f"{result['machine']['torch']} with {result['machine']['torch_threads']} threads; load average "
+        f"{result['machine']['torch']} with {result['machine']['torch_threads']} threads"
+        + (
+            f" on cores {result['machine']['placement']['cores']}"
+            if result["machine"].get("placement", {}).get("pinned")
+            else ""
+        )
+        + f"; CPU flags {' '.join(result['machine'].get('cpu_flags', [])) or '–'}; load average "
         f"{result['machine']['loadavg_start']} at start, "
         + (
             f"{result['machine']['loadavg_end']} at end"
@@ -575,6 +613,19 @@ def markdown(result: dict) -> str:
         f"{_fmt(costs.get('draft_1tok_ms'), 0)} ms → c = {_fmt(costs.get('c'), 3)}; target forward by tokens: "
         + ", ".join(
             f"{k}: {v:.0f} ms" for k, v in sorted(costs["target_ms_by_tokens"].items(), key=lambda kv: int(kv[0]))
+        ),
+        *(
+            [
+                "- drafter forward by tokens (ms; c = 1-token draft / target): "
+                + "; ".join(
+                    f"{name}: "
+                    + ", ".join(f"{n}: {v:.1f}" for n, v in sorted(by_n.items(), key=lambda kv: int(kv[0])))
+                    + f" (c = {costs['c_by_draft'][name]:.3f})"
+                    for name, by_n in costs["draft_ms_by_tokens"].items()
+                )
+            ]
+            if costs.get("draft_ms_by_tokens")
+            else []
         ),
         f"- {result['mbsu_formula']}",
         f"- prompt tokens {', '.join(str(i['tokens']) for i in prompts['items'])}; each generation's first step holds "
@@ -592,7 +643,8 @@ def markdown(result: dict) -> str:
         split = r.get("step_ms") or {}
         protocol = r["protocol"] + (f" {r['budget']}" if r["budget"] else "") + (" **best**" if r["best"] else "")
         lines.append(
-            f"| {protocol} | {r['method']} | {_fmt(r['shape'])} | {_fmt(r['temperature'], 1)} | {_fmt(r['depth'])} | "
+            f"| {protocol} | {_method_cell(r)} | {_fmt(r['shape'])} | {_fmt(r['temperature'], 1)} | "
+            f"{_fmt(r['depth'])} | "
             f"{_fmt(r['nodes'])} | {_fmt(r['block_efficiency'])} | {_fmt(r['draft_forwards_per_step'])} | "
             f"{_fmt(r['mbsu'])} | {_fmt(r['tokens_per_s'], 3)} | {_fmt(r['speedup_vs_ar'])} | "
             f"{_fmt(r['steady_speedup_vs_ar'])} | "
@@ -637,7 +689,7 @@ def summary_tables(rows: list[dict]) -> list[str]:
                 if cands:
                     r = max(cands, key=lambda r: r["tokens_per_s"])
                     out.append(
-                        f"| {_fmt(t, 1)} | {method} | {_fmt(r['shape'])} | {r['tokens_per_s']:.3f} | "
+                        f"| {_fmt(t, 1)} | {_method_cell(r)} | {_fmt(r['shape'])} | {r['tokens_per_s']:.3f} | "
                         f"{_fmt(r['speedup_vs_ar'])} | {_fmt(r['steady_speedup_vs_ar'])} | "
                         f"{_fmt(r['block_efficiency'])} | {_fmt(r['mbsu'])} |"
                     )
@@ -712,12 +764,12 @@ def plots(result: dict, out_dir: Path, name: str) -> list[Path]:
 # ---------------------------------------------------------------- main
 
 
-def _model_info(path: Path, model, dtype: str, device: str) -> dict:
+def _model_info(path: Path, model, dtype: str, device: str, params: int | None = None) -> dict:
     info = {
         "path": str(path),
         "name": path.name,
         "model_type": model.config.model_type,
-        "params": sum(p.numel() for p in model.parameters()),
+        "params": params or sum(p.numel() for p in model.parameters()),  # int8 layers hold no parameters
         "dtype": str(model.dtype).removeprefix("torch."),  # "auto" resolved
         "dtype_asked": dtype,
         "device": device,
@@ -746,11 +798,34 @@ def _machine_info() -> dict:
         "cores_available": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
+        "cpu_flags": _cpu_flags(),
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
         "loadavg_start": [round(x, 2) for x in os.getloadavg()],
     }
+
+
+# The CPU features that decide what is fast here (bf16 and int8 dot products, vector width).
+_NOTABLE_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_bf16", "amx_int8")
+
+
+def _cpu_flags() -> list[str]:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = {f for line in info.splitlines() if line.startswith(("flags", "Features")) for f in line.split()}
+    return [f for f in _NOTABLE_FLAGS if f in flags]
+
+
+def parse_quantize_modes(text: str) -> list[str]:
+    """ "none,int8" -> ["none", "int8"]: the drafters to compare (the first is the main one)."""
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in QUANTIZE_MODES]
+    if not modes or bad or len(set(modes)) != len(modes):
+        raise ValueError(f"--draft-quantize: expected distinct modes from {QUANTIZE_MODES}, got {text!r}")
+    return modes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -785,7 +860,21 @@ def build_parser() -> argparse.ArgumentParser:
         choices=AR_DTYPES,
         help="also run the target alone loaded in this dtype (ar:DTYPE); repeatable",
     )
-    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    add_placement_flags(ap)
+    ap.add_argument(
+        "--draft-quantize",
+        default="none",
+        help="the drafter's quantisation: none, int8, auto, or several to compare in one run (e.g. none,int8: "
+        "every speculative method also runs with each further drafter, labelled +int8)",
+    )
+    ap.add_argument(
+        "--draft-cost-tokens",
+        default="1",
+        help="token counts at which each drafter's forward is timed (e.g. 1,3,8: the draft cost table)",
+    )
+    ap.add_argument(
+        "--costs-only", action="store_true", help="time the forwards (c, drafters by tokens) and stop: no generations"
+    )
     ap.add_argument("--cost-reps", type=int, default=5, help="repetitions of each timed forward for c")
     ap.add_argument("--tree-costs", action="store_true", help="also time one target forward per method's tree size")
     ap.add_argument(
@@ -837,6 +926,14 @@ def main(argv: list[str] | None = None) -> int:
                 specs.insert(1 + [s.name for s in specs].index("ar"), Spec("ar", dtype))
                 where[f"ar:{dtype}"] = where["ar"]
         temperatures = parse_temperatures(args.temperatures or "0,1")
+        quantize_modes = parse_quantize_modes(args.draft_quantize)
+        draft_cost_tokens = tuple(parse_ints(args.draft_cost_tokens, "--draft-cost-tokens"))
+        speculative = [s for s in specs if s.method() is not None]
+        for mode in quantize_modes[1:]:  # each further drafter runs every speculative method again
+            for spec in speculative:
+                variant = Spec(spec.name, spec.shape, mode)
+                specs.append(variant)
+                where[variant.label] = where.get(spec.label, [("custom", None)])
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     num_prompts = args.num_prompts or (2 if args.quick else 10)
@@ -844,7 +941,6 @@ def main(argv: list[str] | None = None) -> int:
     if len({s.label for s in specs}) != len(specs):
         raise SystemExit("error: a method is listed twice")
 
-    import torch
     from transformers.utils import logging as hf_logging
 
     from rsd.sampling import SamplingParams
@@ -853,17 +949,21 @@ def main(argv: list[str] | None = None) -> int:
         load_model,
         load_tokenizer,
         prune_draft_vocab,
+        quantize_draft,
         set_small_batch_rows,
         use_small_batch_linear,
     )
+    from rsd_runtime.placement import apply_placement
     from rsd_runtime.runner import ModelRunner
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    try:
+        placement = apply_placement(args.cores, args.threads)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     t_start = time.perf_counter()
-    machine = _machine_info()
+    machine = {**_machine_info(), "placement": placement.as_dict()}
 
     if args.prompts:
         prompts = file_prompts(args.prompts, args.num_prompts, args.prompt_seed)
@@ -888,14 +988,23 @@ def main(argv: list[str] | None = None) -> int:
     log(f"loading target {target_dir} ({target_dtype}) and draft {draft_dir} ({draft_dtype}) on {args.device}")
     tokenizer = load_tokenizer(target_dir)
     target_model = load_model(target_dir, args.device, target_dtype)
-    needs_draft = any(s.name != "ar" for s in specs)
-    draft_model = load_model(draft_dir, args.device, draft_dtype) if needs_draft else None
-    if draft_model is not None:
-        prune_draft_vocab(draft_model, args.draft_vocab)
+    needs_draft = any(s.name != "ar" for s in specs) or args.costs_only
+    draft_models, quantized, draft_params = {}, {}, None  # by --draft-quantize mode (the first: draft_model)
+    for mode in quantize_modes if needs_draft else []:
+        model = load_model(draft_dir, args.device, draft_dtype)
+        draft_params = sum(p.numel() for p in model.parameters())
+        try:  # prune, then quantise, then (below) small-batch linear: rsd_runtime.models.quantize_draft
+            prune_draft_vocab(model, args.draft_vocab)
+            quantized[mode] = quantize_draft(model, mode, draft_dtype)
+        except ValueError as e:
+            raise SystemExit(f"error: --draft-quantize {mode}: {e}") from None
+        log(f"drafter --draft-quantize {mode}: {quantized[mode]}")
+        draft_models[mode] = model
+    draft_model = draft_models.get(quantize_modes[0])
     # the target again in other dtypes, for the ar:DTYPE baselines
     other_targets = {s.shape: load_model(target_dir, args.device, s.shape) for s in specs if s.shape in AR_DTYPES}
     if args.small_batch_linear:
-        for model in (target_model, draft_model, *other_targets.values()):
+        for model in (target_model, *draft_models.values(), *other_targets.values()):
             if model is not None:
                 use_small_batch_linear(model, args.small_batch_linear)
     encoded = [tokenizer.encode(p["prompt"]) for p in prompts]
@@ -912,13 +1021,16 @@ def main(argv: list[str] | None = None) -> int:
     target = ModelRunner(target_model, max_len)
     draft = ModelRunner(draft_model, max_len) if draft_model is not None else None
     gen = SpeculativeGenerator(target, draft)
+    variant_runners = {m: ModelRunner(draft_models[m], max_len) for m in quantize_modes[1:] if m in draft_models}
+    variant_gens = {m: SpeculativeGenerator(target, r) for m, r in variant_runners.items()}
     other_gens = {d: SpeculativeGenerator(ModelRunner(m, max_len), None) for d, m in other_targets.items()}
 
     tree_sizes = [m.max_draft_tokens + 1 for m in methods.values() if m is not None] if args.tree_costs else []
     log("timing single-token forwards" + (" and trees" if tree_sizes else ""))
-    costs = forward_costs(target, draft, encoded[0], tree_sizes, args.cost_reps)
+    drafts_timed = {quantize_modes[0]: draft, **variant_runners} if draft is not None else {}
+    costs = forward_costs(target, draft, encoded[0], tree_sizes, args.cost_reps, drafts_timed, draft_cost_tokens)
     log(f"forward costs: {json.dumps({k: v for k, v in costs.items() if k != 'target_ms_by_tokens'})}")
-    step_marks = _instrument(gen)
+    marks_by_draft = {"": _instrument(gen), **{m: _instrument(g) for m, g in variant_gens.items()}}
 
     tallies = {(s.label, t): Tally() for t in temperatures for s in specs}
     outputs = {key: [] for key in tallies}
@@ -936,6 +1048,9 @@ def main(argv: list[str] | None = None) -> int:
         for row in rows:
             if row["label"] in hf_settings:
                 row["hf_settings"] = hf_settings[row["label"]]
+        for row, spec in zip(rows, [s for t in temperatures for s in specs if outputs[(s.label, t)]], strict=True):
+            if spec.method() is not None:
+                row["draft_quantize"] = quantized.get(spec.draft or quantize_modes[0])
         _finish_rows(rows)
         rows = _placed(rows, where)
         machine["loadavg_end" if complete else "loadavg_now"] = [round(x, 2) for x in os.getloadavg()]
@@ -945,7 +1060,13 @@ def main(argv: list[str] | None = None) -> int:
             "name": args.name,
             "models": {
                 "target": _model_info(Path(target_dir), target_model, target_dtype, args.device),
-                "draft": _model_info(Path(draft_dir), draft_model, draft_dtype, args.device) if draft_model else None,
+                "draft": {
+                    **_model_info(Path(draft_dir), draft_model, draft_dtype, args.device, draft_params),
+                    "quantize": quantized[quantize_modes[0]],
+                    "quantize_variants": {m: quantized[m] for m in quantize_modes[1:]},
+                }
+                if draft_model
+                else None,
             },
             "machine": machine,
             "prompts": {
@@ -965,6 +1086,8 @@ def main(argv: list[str] | None = None) -> int:
                 "budget_candidates": BUDGET_CANDIDATES,
                 "small_batch_linear_rows": args.small_batch_linear,
                 "draft_vocab": args.draft_vocab or None,
+                "draft_quantize": {m: quantized.get(m) for m in quantize_modes},  # asked -> applied
+                "placement": placement.as_dict(),
                 "max_new_tokens": max_new,
                 "seed": args.seed,
                 "eos_token_ids": list(eos),
@@ -981,12 +1104,18 @@ def main(argv: list[str] | None = None) -> int:
         md_path.write_text(markdown(result))
         return result
 
+    if args.costs_only:
+        result = write(complete=True)
+        log(f"wrote {json_path} and {md_path} (forward costs only)")
+        print(markdown(result))
+        return 0
     for i, ids in enumerate(encoded):
         seed = args.seed + i
         for temperature in temperatures:
             params = SamplingParams(temperature=temperature)
             for spec in specs:
                 tally, key = tallies[(spec.label, temperature)], (spec.label, temperature)
+                step_marks = marks_by_draft.get(spec.draft, marks_by_draft[""])
                 step_marks.clear()
                 if spec.name == "hf_assisted":
                     counts: dict[str, int] = {}
@@ -1013,7 +1142,7 @@ def main(argv: list[str] | None = None) -> int:
                         set_small_batch_rows(target_model, 0)
                     t0 = time.perf_counter()
                     try:
-                        res = other_gens.get(spec.shape, gen).generate(
+                        res = (variant_gens[spec.draft] if spec.draft else other_gens.get(spec.shape, gen)).generate(
                             ids, methods[spec.label], params, max_new, eos, seed
                         )
                     finally:

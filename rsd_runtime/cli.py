@@ -18,7 +18,8 @@ import os
 import sys
 from pathlib import Path
 
-from rsd_runtime import DTYPE_NAMES
+from rsd_runtime import DTYPE_NAMES, QUANTIZE_MODES
+from rsd_runtime.placement import add_placement_flags
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here reaches a model hub
 
@@ -52,7 +53,14 @@ def _add_generate(sub) -> None:
     p.add_argument("--draft-top-k", type=int, default=0, help="drafter-side truncation of its proposal")
     p.add_argument("--draft-top-p", type=float, default=1.0)
     p.add_argument("--max-len", type=int, default=2048, help="KV cache capacity per model, in tokens")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    add_placement_flags(p)
+    p.add_argument(
+        "--draft-quantize",
+        default="none",
+        choices=QUANTIZE_MODES,
+        help="int8: dynamic int8 linear layers in the drafter (CPU; exact: the target is never quantised); "
+        "auto: int8 where a quick measurement finds it faster",
+    )
     p.add_argument(
         "--small-batch-linear",
         type=int,
@@ -160,13 +168,17 @@ def generate(args) -> int:
     from rsd.sampling import SamplingParams
     from rsd_runtime.attention import UnsupportedModelError
     from rsd_runtime.generator import SpeculativeGenerator
-    from rsd_runtime.models import load_model, load_tokenizer, prune_draft_vocab, use_small_batch_linear
+    from rsd_runtime.models import load_model, load_tokenizer, prune_draft_vocab, quantize_draft, use_small_batch_linear
+    from rsd_runtime.placement import apply_placement
     from rsd_runtime.predraft import PipelinedGenerator
     from rsd_runtime.runner import ModelRunner
 
     hf_logging.disable_progress_bar()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    try:
+        placement = apply_placement(args.cores, args.threads)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    print(f"placement: cores {placement.cores}, {torch.get_num_threads()} threads", file=sys.stderr)
     try:
         params = SamplingParams(args.temperature, args.top_k, args.top_p)
         method = None if args.method == "ar" else Method.parse(args.method, args.shape or DEFAULT_SHAPES[args.method])
@@ -176,10 +188,16 @@ def generate(args) -> int:
     print(f"loading target {target_dir} ({args.target_device}, {args.target_dtype})", file=sys.stderr)
     tokenizer = load_tokenizer(target_dir)
 
-    def load(path, device, dtype, draft_vocab=0):
+    def load(path, device, dtype, draft_vocab=0, quantize="none"):
         model = load_model(path, device, dtype, args.attn_implementation)
         print(f"  {type(model).__name__}, attention {model.config._attn_implementation}", file=sys.stderr)
-        prune_draft_vocab(model, draft_vocab)
+        try:  # drafter only: prune, then quantise, then small-batch linear (rsd_runtime.models.quantize_draft)
+            prune_draft_vocab(model, draft_vocab)
+            applied = quantize_draft(model, quantize, dtype)
+        except ValueError as e:
+            raise SystemExit(f"error: {path}: {e}") from None
+        if quantize != "none":
+            print(f"  draft quantize {quantize}: {applied}", file=sys.stderr)
         if args.small_batch_linear:
             use_small_batch_linear(model, args.small_batch_linear)
         try:
@@ -191,7 +209,7 @@ def generate(args) -> int:
     draft = None
     if method is not None:
         print(f"loading draft {draft_dir} ({args.draft_device}, {args.draft_dtype})", file=sys.stderr)
-        draft = load(draft_dir, args.draft_device, args.draft_dtype, args.draft_vocab)
+        draft = load(draft_dir, args.draft_device, args.draft_dtype, args.draft_vocab, args.draft_quantize)
     if args.predraft and draft is not None:
         gen = PipelinedGenerator(
             target, draft, args.predraft, draft_top_k=args.draft_top_k, draft_top_p=args.draft_top_p

@@ -5,6 +5,8 @@
     ModelServiceConfig     a service that holds a model (drafter, verifier): model, KV capacity, torch
                            threads, and its entry in the Redis registry
 
+ModelServiceConfig also places the process: `cores` and `threads` (rsd_runtime.placement).
+
 A base field reads like the service's own: RSD_<SERVICE>_<FIELD> env and a --field flag
 (rsd_runtime.serving.load_config walks dataclasses.fields, inherited ones included). A service
 changes a default by declaring the field again (the gateway's port 7000); it keeps its place.
@@ -18,6 +20,8 @@ naming every invalid field.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from rsd_runtime.placement import parse_cores
 
 
 @dataclass(frozen=True)
@@ -94,8 +98,18 @@ class ModelServiceConfig(ServiceConfig):
     redis_namespace: str = "rsd"
     heartbeat_s: float = 2.0
     registration_ttl_s: float = 6.0
-    # torch intra-op threads (0 = torch's default).
+    # Placement (rsd_runtime.placement): the CPU cores this process may use, a Linux CPU list such as
+    # "0" or "0-1,3" ("" = any), applied to all its threads before the model loads; torch intra-op
+    # threads (0 = one per given core, else torch's default).
+    cores: str = ""
     threads: int = 0
+
+    def __post_init__(self) -> None:
+        try:
+            parse_cores(self.cores)
+        except ValueError as e:
+            raise ValueError(f"invalid {type(self).__name__}: {e}") from None
+        super().__post_init__()
 
     def checks(self) -> dict[str, bool]:
         return {

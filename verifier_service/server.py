@@ -21,6 +21,7 @@ from gateway.store import RedisSessionStore, ServiceInfo
 from rsd_runtime.attention import UnsupportedModelError
 from rsd_runtime.metrics import VerifierMetrics
 from rsd_runtime.models import load_model
+from rsd_runtime.placement import Placement, PlacementError, apply_placement
 from rsd_runtime.serving import (
     Heartbeat,
     default_service_id,
@@ -52,6 +53,7 @@ class VerifierHandle:
     health: health.aio.HealthServicer
     metrics: VerifierMetrics
     heartbeat: Heartbeat | None = None
+    placement: Placement | None = None  # the cores and threads applied at start
 
     def service_info(self) -> ServiceInfo:
         capacity, load = self.config.num_slots, self.servicer.num_sessions
@@ -75,9 +77,9 @@ async def create_server(
     config: VerifierConfig, model: torch.nn.Module | None = None
 ) -> tuple[grpc.aio.Server, int, VerifierHandle]:
     """Start the verifier on config.host:config.port (0 picks a port). A `model` already loaded
-    replaces config.model (tests share one model between servers)."""
-    if config.threads:
-        torch.set_num_threads(config.threads)
+    replaces config.model (tests share one model between servers). Placement (cores, threads)
+    applies first, before the model loads."""
+    placement = apply_placement(config.cores, config.threads)
     if model is None:
         if not config.model:
             raise ValueError("--model is required: a local folder holding the target model")
@@ -95,6 +97,7 @@ async def create_server(
     address = config.advertise_address or f"{config.host}:{port}"
     batcher.start()
     handle = VerifierHandle(config, servicer.verifier_id, address, engine, batcher, servicer, health_servicer, metrics)
+    handle.placement = placement
     if config.redis_url:
         store = RedisSessionStore(redis.Redis.from_url(config.redis_url), namespace=config.redis_namespace)
         heartbeat = Heartbeat(store, handle.service_info, config.heartbeat_s, config.registration_ttl_s)
@@ -104,7 +107,15 @@ async def create_server(
             await handle.close(server, 0)
             raise
         handle.heartbeat = heartbeat
-    log.info("verifier %s on %s: %d slots, max_len %d", handle.verifier_id, address, config.num_slots, config.max_len)
+    log.info(
+        "verifier %s on %s: %d slots, max_len %d, cores %s, %d threads",
+        handle.verifier_id,
+        address,
+        config.num_slots,
+        config.max_len,
+        placement.cores,
+        placement.threads,
+    )
     return server, port, handle
 
 
@@ -117,10 +128,16 @@ async def serve(config: VerifierConfig) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    config = load_config(VerifierConfig, "verifier", sys.argv[1:] if argv is None else argv)
+    try:
+        config = load_config(VerifierConfig, "verifier", sys.argv[1:] if argv is None else argv)
+    except ValueError as e:  # a bad flag or env value: the reason, without a traceback
+        raise SystemExit(f"verifier: {e}") from None
     setup_logging(config.log_format)
     try:
         asyncio.run(serve(config))
     except UnsupportedModelError as e:  # refuse to start, with the reason, rather than serve a wrong law
         log.error("cannot serve %s exactly: %s", config.model, e)
         raise SystemExit(f"verifier: cannot serve {config.model} exactly: {e}") from None
+    except PlacementError as e:
+        log.error("cannot place the verifier: %s", e)
+        raise SystemExit(f"verifier: {e}") from None
