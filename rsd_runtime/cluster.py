@@ -47,7 +47,8 @@ from pathlib import Path
 
 import redis
 
-from rsd_runtime import DTYPE_NAMES
+from rsd_runtime import DTYPE_NAMES, QUANTIZE_MODES
+from rsd_runtime.placement import parse_cores
 from rsd_runtime.security import ClientSecurity, read_secret
 from rsd_runtime.serving import wait_healthy
 
@@ -334,6 +335,9 @@ def start_cluster(args: argparse.Namespace) -> Cluster:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo_root, env.get("PYTHONPATH", "")]))
     model_flags = ["--threads", str(args.threads)] if args.threads else []
     model_flags += ["--dtype", args.dtype]
+    verifier_flags = ["--cores", args.verifier_cores] if args.verifier_cores else []
+    drafter_flags = ["--cores", args.drafter_cores] if args.drafter_cores else []
+    drafter_flags += ["--quantize", args.draft_quantize, "--predraft", str(predraft_on(args)).lower()]
     sec = cluster.security
 
     def service(role: str, index: int, module: str, flags: list[str]) -> Process:
@@ -356,11 +360,18 @@ def start_cluster(args: argparse.Namespace) -> Cluster:
             _wait_redis(cluster.spawn("redis", cmd, env, f"127.0.0.1:{port}"), cluster.redis_url)
             registry = ["--redis-url", cluster.redis_url]
         verifiers = [
-            service("verifier", i, "verifier_service", ["--model", str(target_dir), *registry, *model_flags])
+            service(
+                "verifier",
+                i,
+                "verifier_service",
+                ["--model", str(target_dir), *registry, *model_flags, *verifier_flags],
+            )
             for i in range(args.verifiers)
         ]
         drafters = [
-            service("drafter", i, "drafter_service", ["--model", str(draft_dir), *registry, *model_flags])
+            service(
+                "drafter", i, "drafter_service", ["--model", str(draft_dir), *registry, *model_flags, *drafter_flags]
+            )
             for i in range(args.drafters)
         ]
         static = [] if registry else ["--drafters", ",".join(f"{p.name}={p.address}" for p in drafters)]
@@ -489,6 +500,17 @@ def _is_up(cluster: Cluster, process: Process) -> bool:
     return True
 
 
+def predraft_on(args: argparse.Namespace) -> bool:
+    """Pre-drafting pays only when the drafter has cores of its own: sharing the verifier's, its
+    speculative forwards slow the verification they wait on. auto = on iff both core sets are given
+    and disjoint."""
+    if args.predraft != "auto":
+        return args.predraft == "on"
+    if not (args.drafter_cores and args.verifier_cores):
+        return False
+    return not set(parse_cores(args.drafter_cores)) & set(parse_cores(args.verifier_cores))
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="rsd cluster", description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="tiny seeded random models (seconds)")
@@ -531,6 +553,23 @@ def build_parser() -> argparse.ArgumentParser:
         default="float32",
         choices=[*DTYPE_NAMES, "auto"],
         help="both model services' dtype (auto: bf16 where the device multiplies it natively)",
+    )
+    place = ap.add_argument_group("placement and the drafter's speed")
+    place.add_argument(
+        "--verifier-cores", default="", help='CPU cores of every verifier, e.g. "1" or "2-3" (default: any)'
+    )
+    place.add_argument("--drafter-cores", default="", help='CPU cores of every drafter, e.g. "0" (default: any)')
+    place.add_argument(
+        "--draft-quantize",
+        default="none",
+        choices=QUANTIZE_MODES,
+        help="int8 drafter (auto: if faster)",
+    )
+    place.add_argument(
+        "--predraft",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="draft the likely next trees while the verifier verifies (auto: on when the drafter has cores of its own)",
     )
     ap.add_argument("--run-dir", default=None, help="logs go here (default: a new temporary folder)")
     ap.add_argument("--start-timeout-s", type=float, default=600.0)

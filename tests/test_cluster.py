@@ -299,3 +299,19 @@ def test_keep_running_restarts_a_killed_verifier(tmp_path):
             except subprocess.TimeoutExpired:
                 launcher.kill()
                 launcher.wait()
+
+
+@pytest.mark.parametrize(
+    "flags, on",
+    [
+        ([], False),  # drafter and verifier share the machine's cores: pre-drafting would slow verification
+        (["--drafter-cores", "0", "--verifier-cores", "1"], True),
+        (["--drafter-cores", "0-1", "--verifier-cores", "1"], False),
+        (["--predraft", "on"], True),
+        (["--drafter-cores", "0", "--verifier-cores", "1", "--predraft", "off"], False),
+    ],
+)
+def test_predraft_follows_placement(flags, on):
+    from rsd_runtime.cluster import predraft_on
+
+    assert predraft_on(build_parser().parse_args(flags)) is on
