@@ -337,7 +337,8 @@ def start_cluster(args: argparse.Namespace) -> Cluster:
     model_flags += ["--dtype", args.dtype]
     verifier_flags = ["--cores", args.verifier_cores] if args.verifier_cores else []
     drafter_flags = ["--cores", args.drafter_cores] if args.drafter_cores else []
-    drafter_flags += ["--quantize", args.draft_quantize, "--predraft", str(predraft_on(args)).lower()]
+    drafter_flags += ["--quantize", args.draft_quantize] if args.draft_quantize != "none" else []
+    drafter_flags += [] if predraft_on(args) else ["--predraft", "false"]  # the drafter's default is on
     sec = cluster.security
 
     def service(role: str, index: int, module: str, flags: list[str]) -> Process:
