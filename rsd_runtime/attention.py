@@ -156,6 +156,9 @@ _PROBE_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-9}
 _PROBE_TOLERANCE_16BIT = 5e-2
 
 
+PROBE_KEYS = 5  # the probe's tree: keys in its one forward
+
+
 @torch.inference_mode()
 def probe_tree_forward(model: PreTrainedModel, plan: AttentionPlan) -> float:
     """Run one small tree through the model with the plan's masks and explicit positions and compare
@@ -195,9 +198,11 @@ def probe_tree_forward(model: PreTrainedModel, plan: AttentionPlan) -> float:
         err = float((tree_logits - ref)[finite].abs().max() / (1 + ref[finite].abs().max()))
     tolerance = _PROBE_TOLERANCE.get(model.dtype, _PROBE_TOLERANCE_16BIT)
     if getattr(model, "rsd_quantize", "none") != "none":
-        # A dynamically quantised drafter rounds activations per forward (1.5e-2 on the tiny pair): its
-        # law need only be known to the verifier, not equal to anything, so only gross errors count.
-        tolerance = _PROBE_TOLERANCE_16BIT
+        # A dynamically quantised drafter quantises activations per forward, so a tree row differs from
+        # its path run alone (0.44 relative on Qwen2.5-0.5B) whatever the positions: models.quantize_draft
+        # probes the float model before. Here only that it runs is checked: a drafter's law need only be
+        # known to the verifier, not equal to anything.
+        tolerance = float("inf")
     if not err <= tolerance:
         raise UnsupportedModelError(
             f"{arch}: a tree forward differs from the model's own causal forward (relative error {err:.1e} > "
