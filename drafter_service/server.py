@@ -28,9 +28,8 @@ from rsd_runtime.placement import Placement, PlacementError, apply_placement
 from rsd_runtime.serving import (
     Heartbeat,
     default_service_id,
-    load_config,
+    run_service,
     serve_until_signal,
-    setup_logging,
     start_service,
 )
 from rsd_wire import drafter_pb2_grpc
@@ -131,16 +130,6 @@ async def serve(config: DrafterConfig) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    try:
-        config = load_config(DrafterConfig, "drafter", sys.argv[1:] if argv is None else argv)
-    except ValueError as e:  # a bad flag or env value: the reason, without a traceback
-        raise SystemExit(f"drafter: {e}") from None
-    setup_logging(config.log_format)
-    try:
-        asyncio.run(serve(config))
-    except UnsupportedModelError as e:  # refuse to start, with the reason, rather than serve a wrong law
-        log.error("cannot serve %s exactly: %s", config.model, e)
-        raise SystemExit(f"drafter: cannot serve {config.model} exactly: {e}") from None
-    except PlacementError as e:
-        log.error("cannot place the drafter: %s", e)
-        raise SystemExit(f"drafter: {e}") from None
+    argv = sys.argv[1:] if argv is None else argv
+    # Refuse to start, with the reason, rather than serve a wrong law or run on cores it may not use.
+    run_service(DrafterConfig, "drafter", serve, argv, refusals=(UnsupportedModelError, PlacementError))

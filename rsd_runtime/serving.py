@@ -108,6 +108,28 @@ def _parse(kind: type, text: str, name: str) -> Any:
         raise ValueError(f"{name}: cannot read {text!r} as {kind.__name__}") from None
 
 
+def run_service(
+    cls: type[T],
+    service: str,
+    serve: Callable[[T], Any],
+    argv: Sequence[str] | None = None,
+    refusals: tuple[type[Exception], ...] = (),
+) -> None:
+    """A service's main: read its config (defaults < env < flags), set up logging, run serve(config).
+    A bad flag or env value, or one of `refusals` raised while starting (a model it cannot serve
+    exactly, cores it may not use), ends the process with the reason and no traceback."""
+    try:
+        config = load_config(cls, service, argv)
+    except ValueError as e:
+        raise SystemExit(f"{service}: {e}") from None
+    setup_logging(config.log_format)
+    try:
+        asyncio.run(serve(config))
+    except refusals as e:
+        logging.getLogger(service).error("%s cannot start: %s", service, e)
+        raise SystemExit(f"{service}: cannot start: {e}") from None
+
+
 def load_config(cls: type[T], service: str, argv: Sequence[str] | None = None, env=os.environ) -> T:
     """An instance of the frozen dataclass `cls`: defaults < RSD_<SERVICE>_<FIELD> env < --field flags."""
     values: dict[str, Any] = {}

@@ -233,7 +233,7 @@ def test_service_refuses_to_start_with_the_reason(arch_root, service):
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     assert proc.returncode != 0
-    assert "cannot serve" in proc.stderr and "ALiBi" in proc.stderr
+    assert "cannot start" in proc.stderr and "ALiBi" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 

@@ -25,9 +25,8 @@ from rsd_runtime.placement import Placement, PlacementError, apply_placement
 from rsd_runtime.serving import (
     Heartbeat,
     default_service_id,
-    load_config,
+    run_service,
     serve_until_signal,
-    setup_logging,
     start_service,
 )
 from rsd_wire import verifier_pb2_grpc
@@ -128,16 +127,6 @@ async def serve(config: VerifierConfig) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    try:
-        config = load_config(VerifierConfig, "verifier", sys.argv[1:] if argv is None else argv)
-    except ValueError as e:  # a bad flag or env value: the reason, without a traceback
-        raise SystemExit(f"verifier: {e}") from None
-    setup_logging(config.log_format)
-    try:
-        asyncio.run(serve(config))
-    except UnsupportedModelError as e:  # refuse to start, with the reason, rather than serve a wrong law
-        log.error("cannot serve %s exactly: %s", config.model, e)
-        raise SystemExit(f"verifier: cannot serve {config.model} exactly: {e}") from None
-    except PlacementError as e:
-        log.error("cannot place the verifier: %s", e)
-        raise SystemExit(f"verifier: {e}") from None
+    argv = sys.argv[1:] if argv is None else argv
+    # Refuse to start, with the reason, rather than serve a wrong law or run on cores it may not use.
+    run_service(VerifierConfig, "verifier", serve, argv, refusals=(UnsupportedModelError, PlacementError))
