@@ -10,7 +10,7 @@ reason rsd_runtime.attention.check_model must give; every other entry must be ex
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,7 +40,7 @@ class Arch:
     config: dict
     refused: str = ""  # a phrase of the refusal; "" = must be exact
     note: str = ""  # what the entry exercises, for the README table
-    windowed: bool = field(default=False)
+    windowed: bool = False
 
 
 ARCHS = [
