@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import ray
 
-from rsd_runtime.serving import load_config
+from rsd_service.serving import load_config
 from verifier_service.config import VerifierConfig
 
 log = logging.getLogger(__name__)

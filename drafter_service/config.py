@@ -1,8 +1,8 @@
 """Every setting of the drafter service, with its default, in one frozen dataclass.
 
-Read with rsd_runtime.serving.load_config(DrafterConfig, "drafter", argv): defaults, then
+Read with rsd_service.serving.load_config(DrafterConfig, "drafter", argv): defaults, then
 RSD_DRAFTER_<FIELD> environment variables, then --field flags (e.g. --proposal-top-k 64).
-Network, security, limits, operations, model and registry fields: rsd_runtime.service_config.
+Network, security, limits, operations, model and registry fields: rsd_service.config.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rsd_runtime import QUANTIZE_MODES
-from rsd_runtime.service_config import ModelServiceConfig, PeerTLSConfig
+from rsd_service.config import ModelServiceConfig, PeerTLSConfig
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ from rsd_runtime.attention import check_model
 from rsd_runtime.generator import Drafter, Stream, step_generator
 from rsd_runtime.predraft import PreDrafter
 from rsd_runtime.runner import ModelRunner
-from rsd_runtime.security import channel, peer_security
+from rsd_service.security import channel, peer_security
 from rsd_wire import common_pb2, verifier_pb2, verifier_pb2_grpc
 from rsd_wire.convert import draft_tree_to_proto, verdict_from_proto
 

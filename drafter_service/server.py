@@ -22,10 +22,10 @@ from drafter_service.engine import DrafterEngine
 from drafter_service.servicer import DrafterServicer
 from gateway.store import RedisSessionStore, ServiceInfo
 from rsd_runtime.attention import UnsupportedModelError
-from rsd_runtime.metrics import DrafterMetrics
+from rsd_service.metrics import DrafterMetrics
 from rsd_runtime.models import load_model, prune_draft_vocab, quantize_draft
-from rsd_runtime.placement import Placement, PlacementError, apply_placement
-from rsd_runtime.serving import (
+from rsd_service.placement import Placement, PlacementError, apply_placement
+from rsd_service.serving import (
     Heartbeat,
     default_service_id,
     run_service,

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 
 from rsd.methods import Method
-from rsd_runtime.service_config import PeerTLSConfig, ServiceConfig
+from rsd_service.config import PeerTLSConfig, ServiceConfig
 
 _SERVICE = re.compile(r"([A-Za-z0-9._-]{1,128})=([^=,\s]+:\d+)")
 
@@ -23,7 +23,7 @@ class GatewayConfig(PeerTLSConfig, ServiceConfig):
     """rsd gateway: the public Generate / Cancel / GetSession API."""
 
     # Network, security (TLS of the public port; internal_token and peer_tls_* for dialing drafters
-    # and verifiers), limits and operations: rsd_runtime.service_config.
+    # and verifiers), limits and operations: rsd_service.config.
     port: int = 7000  # 0 picks a free port
     gateway_id: str = "gateway-0"  # in logs only
     tokenizer: str = ""  # model folder whose tokenizer encodes text input and decodes deltas (required)

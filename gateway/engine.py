@@ -52,7 +52,7 @@ from gateway.store import (
     _check_id,
 )
 from rsd.sampling import SamplingParams
-from rsd_runtime import security
+from rsd_service import security
 from rsd_wire import (
     common_pb2,
     drafter_pb2,

@@ -59,9 +59,9 @@ from gateway.openai_schema import (
     usage,
 )
 from gateway.servicer import status_of
-from rsd_runtime.metrics import GatewayMetrics
-from rsd_runtime.security import TokenInterceptor, read_secret
-from rsd_runtime.serving import log_context
+from rsd_service.metrics import GatewayMetrics
+from rsd_service.security import TokenInterceptor, read_secret
+from rsd_service.serving import log_context
 from rsd_wire import gateway_pb2
 
 log = logging.getLogger("rsd.gateway")

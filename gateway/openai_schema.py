@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from rsd_runtime.client import build_params
+from rsd_service.client import build_params
 from rsd_wire import common_pb2, gateway_pb2
 
 FINISH_REASONS = {

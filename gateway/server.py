@@ -23,8 +23,8 @@ from gateway.engine import GatewayEngine
 from gateway.http_api import HttpApiServer, start_http_api
 from gateway.servicer import GatewayServicer
 from gateway.store import MemorySessionStore, RedisSessionStore, SessionStore
-from rsd_runtime.metrics import GatewayMetrics
-from rsd_runtime.serving import load_config, serve_until_signal, setup_logging, start_service
+from rsd_service.metrics import GatewayMetrics
+from rsd_service.serving import load_config, serve_until_signal, setup_logging, start_service
 from rsd_wire import gateway_pb2_grpc
 
 log = logging.getLogger("rsd.gateway")

@@ -1,4 +1,5 @@
-"""Runtime: model loading, tree-attention runner, in-process generator, CLI."""
+"""Model runtime (torch + transformers, no gRPC): loading and checking a causal LM (models, attention), the KV
+cache, the tree-attention runner, the in-process generator and pre-drafting. Imports only rsd/ below it."""
 
 # Model dtypes by name, for flags and configs that must not import torch to parse; models.DTYPES maps
 # them to torch dtypes, and "auto" (models.parse_dtype) resolves to one of them per device.

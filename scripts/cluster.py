@@ -1,9 +1,9 @@
-"""python scripts/cluster.py [--tiny] [--keep-running] ...: see rsd_runtime/cluster.py (same as `rsd cluster`)."""
+"""python scripts/cluster.py [--tiny] [--keep-running] ...: see rsd_tools/cluster.py (same as `rsd cluster`)."""
 
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from rsd_runtime.cluster import main
+from rsd_tools.cluster import main
 
 sys.exit(main())

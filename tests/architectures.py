@@ -208,7 +208,7 @@ BY_NAME = {a.name: a for a in ARCHS}
 
 def build(arch: Arch, seed: int = 0) -> PreTrainedModel:
     """A seeded random model whose laws are peaked enough that greedy has no near-ties: unit-std
-    embeddings and a head at std 0.25 (as rsd_runtime.tiny does for the Llama/Qwen2 pairs)."""
+    embeddings and a head at std 0.25 (as rsd_tools.tiny does for the Llama/Qwen2 pairs)."""
     config = AutoConfig.for_model(arch.model_type, **arch.config)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -234,7 +234,7 @@ def noisy_copy(model: PreTrainedModel, noise: float, seed: int) -> PreTrainedMod
 
 def save_pair(arch: Arch, out_dir: Path, seed: int = 0) -> tuple[Path, Path]:
     """(draft_dir, target_dir) of `arch` saved with save_pretrained, reused when already there."""
-    from rsd_runtime.tiny import word_tokenizer
+    from rsd_tools.tiny import word_tokenizer
 
     root = Path(out_dir) / f"{arch.name}-s{seed}"
     draft_dir, target_dir = root / "draft", root / "target"

@@ -7,8 +7,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 
-from rsd_runtime import bench
-from rsd_runtime.tiny import build_tiny_pair
+from rsd_tools import bench
+from rsd_tools.tiny import build_tiny_pair
 
 ROW_KEYS = {
     "method",

@@ -1,4 +1,4 @@
-"""Smoke test of rsd_runtime.bench_services on tiny models: the services start as processes, the
+"""Smoke test of rsd_tools.bench_services on tiny models: the services start as processes, the
 three parts run (2 sessions, 8 tokens, batching on then off), and the JSON / Markdown have their fields.
 Through the gateway the tokens equal the in-process SpeculativeGenerator's (T=0 and T=1)."""
 
@@ -55,7 +55,7 @@ SPLIT_KEYS = {
 
 
 def test_bench_services_smoke(tmp_path):
-    cmd = [sys.executable, "-m", "rsd_runtime.bench_services", "--tiny", "--cache-dir", str(tmp_path / "models")]
+    cmd = [sys.executable, "-m", "rsd_tools.bench_services", "--tiny", "--cache-dir", str(tmp_path / "models")]
     cmd += ["--vocab-size", "256", "--hidden-size", "64", "--num-layers", "2", "--draft-layers", "1"]
     cmd += ["--sessions", "2", "--max-new-tokens", "8", "--num-prompts", "1", "--method", "rsd_s", "--shape", "2x3"]
     cmd += ["--name", "smoke", "--out-dir", str(tmp_path / "out"), "--run-dir", str(tmp_path / "logs")]

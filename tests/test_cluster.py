@@ -19,10 +19,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from rsd_runtime import cli
-from rsd_runtime.client import RsdClient
-from rsd_runtime.cluster import ClusterSecurity, build_parser, cluster_security, run_generation, start_cluster
-from rsd_runtime.security import ClientSecurity, channel
+from rsd_tools import cli
+from rsd_service.client import RsdClient
+from rsd_tools.cluster import ClusterSecurity, build_parser, cluster_security, run_generation, start_cluster
+from rsd_service.security import ClientSecurity, channel
 from rsd_wire import common_pb2, verifier_pb2, verifier_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -248,7 +248,7 @@ def test_keep_running_restarts_a_killed_verifier(tmp_path):
     argv += ["--verifiers", "2", "--keep-running", "--max-restarts", "1", "--no-generate", "--start-timeout-s", "240"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "rsd_runtime.cluster", *argv],
+        [sys.executable, "-m", "rsd_tools.cluster", *argv],
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         text=True,
@@ -312,6 +312,6 @@ def test_keep_running_restarts_a_killed_verifier(tmp_path):
     ],
 )
 def test_predraft_follows_placement(flags, on):
-    from rsd_runtime.cluster import predraft_on
+    from rsd_tools.cluster import predraft_on
 
     assert predraft_on(build_parser().parse_args(flags)) is on

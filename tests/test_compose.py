@@ -5,7 +5,7 @@
   `python -m X` / `python -c` commands, gRPC healthchecks, ports on 127.0.0.1, GPU device ids, model paths;
 - the `ray` profile: a Ray head and the verifier pool's driver (deploy/ray_pool.py, RSD_POOL_* and
   RSD_VERIFIER_* variables) in place of the verifier;
-- the process launcher (rsd_runtime/cluster.py, `rsd cluster --tiny`) starts the same topology with the
+- the process launcher (rsd_tools/cluster.py, `rsd cluster --tiny`) starts the same topology with the
   same settings as the compose `cpu` profile.
 """
 
@@ -28,9 +28,9 @@ import yaml
 from deploy.ray_pool import PoolConfig, parse_args
 from drafter_service.config import DrafterConfig
 from gateway.config import GatewayConfig
-from rsd_runtime import cluster as cluster_mod
-from rsd_runtime.provision import MODELS
-from rsd_runtime.serving import load_config
+from rsd_tools import cluster as cluster_mod
+from rsd_tools.provision import MODELS
+from rsd_service.serving import load_config
 from verifier_service.config import VerifierConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,7 +45,7 @@ SERVICES = {
 POOL = "deploy.ray_pool"  # the Ray pool's driver: PoolConfig (RSD_POOL_*) + VerifierConfig (RSD_VERIFIER_*)
 RAY_HEAD = "ray.scripts.scripts"  # `ray start --head`, as python -m (the image's entrypoint is python)
 PROFILES = ("gpu", "cpu", "ray")
-# RSD_* variables read outside the service configs (rsd_runtime.provision.default_cache_dir).
+# RSD_* variables read outside the service configs (rsd_tools.provision.default_cache_dir).
 OTHER_RSD_VARS = {"RSD_MODEL_CACHE"}
 # Fields compose sets that the launcher leaves at their default: container networking only.
 CONTAINER_NETWORKING = {"host", "advertise_address"}
@@ -295,7 +295,7 @@ def test_model_paths_are_in_the_model_volume(compose, services):
     assert gpu["verifier_service"]["model"] == f"{MODEL_CACHE}/{MODELS['target'].name}"
     assert gpu["drafter_service"]["model"] == f"{MODEL_CACHE}/{MODELS['draft'].name}"
     assert gpu["gateway"]["tokenizer"] == gpu["verifier_service"]["model"]
-    assert services["models"]["command"] == ["-m", "rsd_runtime.provision"]  # into default_cache_dir()
+    assert services["models"]["command"] == ["-m", "rsd_tools.provision"]  # into default_cache_dir()
     ray = _by_module(services, "ray")
     pool = _fields(services["verifier-pool"], "verifier")
     assert pool["model"] == gpu["verifier_service"]["model"] == ray["gateway"]["tokenizer"]

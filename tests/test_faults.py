@@ -3,7 +3,7 @@ another gateway, or finished there by its orphan sweep), Redis killed and restar
 verifier that answers late or drops its stream.
 
 The process faults run the services as real processes (`python -m verifier_service` ..., started with
-rsd_runtime.cluster's launcher pieces) on tiny Qwen2 models, with a redis-server that keeps an
+rsd_tools.cluster's launcher pieces) on tiny Qwen2 models, with a redis-server that keeps an
 append-only file (tests/redis_server.py), so it can be killed and restarted with its data. One cluster
 serves the module: two verifiers, two drafters, two gateways; a test that needs a role it killed
 earlier starts a new process of that role.
@@ -29,9 +29,9 @@ import pytest
 
 from gateway.engine import finish_reason_name
 from gateway.store import RedisSessionStore
-from rsd_runtime.client import RsdClient
-from rsd_runtime.cluster import Cluster, Process, _wait_ready, free_port
-from rsd_runtime.tiny import build_tiny_pair
+from rsd_service.client import RsdClient
+from rsd_tools.cluster import Cluster, Process, _wait_ready, free_port
+from rsd_tools.tiny import build_tiny_pair
 from rsd_wire import gateway_pb2
 from tests.redis_server import persistent_redis
 

@@ -36,7 +36,7 @@ from rsd.tree import DraftTree
 from rsd_runtime.generator import SpeculativeGenerator
 from rsd_runtime.models import load_model, load_tokenizer
 from rsd_runtime.runner import ModelRunner
-from rsd_runtime.tiny import build_tiny_pair
+from rsd_tools.tiny import build_tiny_pair
 from rsd_wire import (
     GRPC_OPTIONS,
     common_pb2,

@@ -1,7 +1,7 @@
 """The gateway: request validation, text streaming, sessions in both stores, failover.
 
 Every test runs the gateway as a real grpc.aio server on loopback (on an event loop in a background
-thread) and talks to it through rsd_runtime.client.RsdClient. Sessions live in a MemorySessionStore
+thread) and talks to it through rsd_service.client.RsdClient. Sessions live in a MemorySessionStore
 or a real redis-server. The drafter behind it is either
 
   - ReferenceDrafter, a test double of the drafter service defined here: the same Drafter/Verifier
@@ -39,12 +39,12 @@ from gateway.server import create_server
 from gateway.store import MemorySessionStore, RedisSessionStore
 from rsd.methods import Method
 from rsd.sampling import SamplingParams
-from rsd_runtime.client import RsdClient, build_params
+from rsd_service.client import RsdClient, build_params
 from rsd_runtime.generator import Drafter, SpeculativeGenerator, Stream, Verifier, step_generator
 from rsd_runtime.models import load_model, load_tokenizer
 from rsd_runtime.runner import ModelRunner
-from rsd_runtime.serving import start_server
-from rsd_runtime.tiny import build_tiny_pair
+from rsd_service.serving import start_server
+from rsd_tools.tiny import build_tiny_pair
 from rsd_wire import common_pb2, drafter_pb2, drafter_pb2_grpc, gateway_pb2
 from rsd_wire.convert import method_from_proto, sampling_params_from_proto
 from tests.redis_server import redis_server

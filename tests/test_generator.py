@@ -17,7 +17,7 @@ from rsd.sampling import SamplingParams
 from rsd_runtime.generator import SpeculativeGenerator
 from rsd_runtime.models import load_model
 from rsd_runtime.runner import ModelRunner
-from rsd_runtime.tiny import build_tiny_pair, build_tiny_vocab_pair
+from rsd_tools.tiny import build_tiny_pair, build_tiny_vocab_pair
 from tests.test_statistical import chi_square_pvalue
 
 GREEDY_METHODS = [

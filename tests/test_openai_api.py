@@ -21,9 +21,9 @@ from gateway.chat import ChatTemplate
 from gateway.config import GatewayConfig
 from gateway.server import create_server
 from gateway.store import MemorySessionStore
-from rsd_runtime.client import RsdClient
-from rsd_runtime.security import ClientSecurity
-from rsd_runtime.tiny import word_tokenizer
+from rsd_service.client import RsdClient
+from rsd_service.security import ClientSecurity
+from rsd_tools.tiny import word_tokenizer
 from rsd_wire import common_pb2, gateway_pb2
 from tests import test_gateway
 from tests.test_gateway import start_registered_services, start_stack

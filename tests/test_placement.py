@@ -1,4 +1,4 @@
-"""Placement (rsd_runtime.placement): core lists are validated at the edge, and a started service
+"""Placement (rsd_service.placement): core lists are validated at the edge, and a started service
 process really runs on the cores it was given (every thread: /proc/PID/task/*/status), with one
 torch thread per core unless told otherwise."""
 
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from drafter_service.config import DrafterConfig
-from rsd_runtime.placement import format_cores, parse_cores
-from rsd_runtime.serving import wait_healthy
-from rsd_runtime.tiny import build_tiny_pair
+from rsd_service.placement import format_cores, parse_cores
+from rsd_service.serving import wait_healthy
+from rsd_tools.tiny import build_tiny_pair
 from verifier_service.config import VerifierConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,7 +59,7 @@ def test_apply_placement_pins_every_thread_and_sizes_torch():
     code = (
         "import os, threading, time\n"
         "t = threading.Thread(target=time.sleep, args=(30,), daemon=True); t.start()\n"
-        "from rsd_runtime.placement import apply_placement\n"
+        "from rsd_service.placement import apply_placement\n"
         f"p = apply_placement({CORE!r})\n"
         "import torch\n"
         "masks = {open(f'/proc/self/task/{tid}/status').read().split('Cpus_allowed_list:')[1].split()[0]"

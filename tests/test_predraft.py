@@ -22,8 +22,8 @@ from rsd_runtime.generator import Drafter, SpeculativeGenerator, Stream, step_ge
 from rsd_runtime.models import load_model
 from rsd_runtime.predraft import PipelinedGenerator, PreDrafter, PreDraftMismatchError, outcome_of
 from rsd_runtime.runner import ModelRunner
-from rsd_runtime.serving import load_config
-from rsd_runtime.tiny import build_tiny_pair
+from rsd_service.serving import load_config
+from rsd_tools.tiny import build_tiny_pair
 from tests.test_services import gen_params, reference, run, services
 
 METHODS = [("sd", "3"), ("specinfer", "2,2"), ("spectr", "2x3"), ("rsd_c", "2,2,1"), ("rsd_s", "3x3")]

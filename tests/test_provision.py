@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from rsd_runtime import provision as pv
-from rsd_runtime.provision import ModelSpec, ProvisionError
+from rsd_tools import provision as pv
+from rsd_tools.provision import ModelSpec, ProvisionError
 
 
 def _write(path: Path, data: bytes) -> Path:

@@ -28,7 +28,7 @@ from rsd_runtime.models import (
     use_small_batch_linear,
 )
 from rsd_runtime.runner import ModelRunner
-from rsd_runtime.tiny import build_tiny_pair, build_tiny_vocab_pair
+from rsd_tools.tiny import build_tiny_pair, build_tiny_vocab_pair
 from rsd_wire import GRPC_OPTIONS, drafter_pb2_grpc
 from tests.test_generator import PROMPTS, target_greedy, target_law_two_tokens
 from tests.test_services import MAX_LEN, PROMPT, gen_params, run, services
@@ -188,7 +188,7 @@ def test_bench_compares_drafters_in_one_run(tiny_dirs, tmp_path):
     still equal ar, and the placement and CPU flags are recorded; --costs-only stops after the timings."""
     import json
 
-    from rsd_runtime import bench
+    from rsd_tools import bench
 
     draft_dir, target_dir = tiny_dirs
     argv = ["--draft", str(draft_dir), "--target", str(target_dir), "--out-dir", str(tmp_path), "--no-plots"]

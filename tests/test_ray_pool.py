@@ -87,7 +87,7 @@ class Cluster:
     address: str
 
     def client(self):
-        from rsd_runtime.client import RsdClient
+        from rsd_service.client import RsdClient
 
         return RsdClient(self.address, timeout_s=300)
 
@@ -122,7 +122,7 @@ def cluster(ray_cluster, tmp_path_factory):
     from gateway.server import create_server as create_gateway
     from gateway.store import RedisSessionStore
     from rsd_runtime.models import load_model, load_tokenizer
-    from rsd_runtime.tiny import build_tiny_pair
+    from rsd_tools.tiny import build_tiny_pair
     from tests.redis_server import redis_server
     from tests.test_gateway import LoopThread
 

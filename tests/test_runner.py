@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 from rsd_runtime.models import cpu_has_native_bf16, load_model, load_tokenizer, parse_dtype
 from rsd_runtime.runner import ModelRunner
-from rsd_runtime.tiny import build_tiny_pair, build_tiny_vocab_pair
+from rsd_tools.tiny import build_tiny_pair, build_tiny_vocab_pair
 
 ATOL = 1e-4
 FAMILIES = ("llama", "qwen2")

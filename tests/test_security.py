@@ -1,6 +1,6 @@
 """Bearer tokens, TLS / mTLS and limits, against real servers on loopback.
 
-Certificates are made at test time (rsd_runtime.pki), in a temporary folder (a CA, a server certificate for
+Certificates are made at test time (rsd_service.pki), in a temporary folder (a CA, a server certificate for
 127.0.0.1 / localhost, a client certificate, and a stranger's certificate from another CA): no key
 is ever committed. The secure cluster is the real verifier and drafter services plus the gateway,
 every hop over mTLS with the internal shared secret, the gateway's public API with a bearer token.
@@ -21,12 +21,12 @@ from drafter_service.server import create_server as create_drafter
 from gateway.config import GatewayConfig
 from gateway.server import create_server as create_gateway
 from gateway.store import MemorySessionStore
-from rsd_runtime.client import RsdClient
+from rsd_service.client import RsdClient
 from rsd_runtime.models import load_model, load_tokenizer
-from rsd_runtime.pki import make_ca, make_leaf, make_local_pki, write_pem
-from rsd_runtime.security import ClientSecurity, ServerSecurity, TokenInterceptor, channel, read_secret
-from rsd_runtime.serving import wait_healthy
-from rsd_runtime.tiny import build_tiny_pair
+from rsd_service.pki import make_ca, make_leaf, make_local_pki, write_pem
+from rsd_service.security import ClientSecurity, ServerSecurity, TokenInterceptor, channel, read_secret
+from rsd_service.serving import wait_healthy
+from rsd_tools.tiny import build_tiny_pair
 from rsd_wire import common_pb2, drafter_pb2, drafter_pb2_grpc, gateway_pb2, verifier_pb2, verifier_pb2_grpc
 from tests.test_gateway import PROMPT, LoopThread, greedy, reference, start_stack, status_of
 from verifier_service.config import VerifierConfig
@@ -36,7 +36,7 @@ INTERNAL = "internal-s3cret"
 PUBLIC = "public-t0ken"
 
 # ---------------------------------------------------------------------------------------------
-# Throwaway certificates (rsd_runtime.pki, as `rsd cluster --secure` makes them)
+# Throwaway certificates (rsd_service.pki, as `rsd cluster --secure` makes them)
 
 
 def make_pki(folder: Path) -> dict[str, str]:
@@ -357,7 +357,7 @@ def test_request_timeout_is_deadline_exceeded_and_keeps_the_committed_tokens(loo
 
 
 def test_cli_generate_with_token_file_and_mtls(mtls, tmp_path, capsys, monkeypatch):
-    from rsd_runtime import cli
+    from rsd_tools import cli
 
     (tmp_path / "token").write_text(PUBLIC)
     p = mtls.pki

@@ -27,7 +27,7 @@ from rsd.tree import DraftTree
 from rsd_runtime.generator import SpeculativeGenerator
 from rsd_runtime.models import load_model
 from rsd_runtime.runner import ModelRunner
-from rsd_runtime.tiny import build_tiny_pair
+from rsd_tools.tiny import build_tiny_pair
 from rsd_wire import GRPC_OPTIONS, common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from rsd_wire.convert import draft_tree_to_proto, proposal_law_to_proto, tensor_to_proto
 from tests.redis_server import redis_server

@@ -21,7 +21,7 @@ from rsd_runtime.generator import (
 )
 from rsd_runtime.models import load_model
 from rsd_runtime.runner import ModelRunner
-from rsd_runtime.tiny import build_tiny_pair
+from rsd_tools.tiny import build_tiny_pair
 from verifier_service.engine import (
     BatchedVerifier,
     BatchVerifyError,

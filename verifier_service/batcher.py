@@ -71,7 +71,7 @@ class Batcher:
         # of them are queued already, waiting for more only adds latency (a lone session paid
         # ~batch_wait_ms per step before this).
         self.open_sessions: Callable[[], int] | None = None
-        # Metrics (rsd_runtime.metrics.VerifierMetrics): called after each forward with the rows each
+        # Metrics (rsd_service.metrics.VerifierMetrics): called after each forward with the rows each
         # request added and the forward's seconds.
         self.on_forward: Callable[[list[int], float], None] | None = None
 

@@ -1,15 +1,15 @@
 """Every setting of the verifier service, with its default, in one frozen dataclass.
 
-Read with rsd_runtime.serving.load_config(VerifierConfig, "verifier", argv): defaults, then
+Read with rsd_service.serving.load_config(VerifierConfig, "verifier", argv): defaults, then
 RSD_VERIFIER_<FIELD> environment variables, then --field flags (e.g. --max-batch-nodes 256).
-Network, security, limits, operations, model and registry fields: rsd_runtime.service_config.
+Network, security, limits, operations, model and registry fields: rsd_service.config.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rsd_runtime.service_config import ModelServiceConfig
+from rsd_service.config import ModelServiceConfig
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,10 @@ from grpc_health.v1 import health
 
 from gateway.store import RedisSessionStore, ServiceInfo
 from rsd_runtime.attention import UnsupportedModelError
-from rsd_runtime.metrics import VerifierMetrics
+from rsd_service.metrics import VerifierMetrics
 from rsd_runtime.models import load_model
-from rsd_runtime.placement import Placement, PlacementError, apply_placement
-from rsd_runtime.serving import (
+from rsd_service.placement import Placement, PlacementError, apply_placement
+from rsd_service.serving import (
     Heartbeat,
     default_service_id,
     run_service,

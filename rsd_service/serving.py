@@ -1,17 +1,17 @@
 """What every rsd gRPC service shares: its config (a frozen dataclass whose defaults are overridden
 by RSD_<SERVICE>_<FIELD> environment variables, then by --field flags), a grpc.aio server with
-explicit message limits, health and reflection, TLS and interceptors (rsd_runtime.security,
-rsd_runtime.metrics), text or JSON logs with the call's ids, and a graceful drain on SIGTERM / SIGINT.
+explicit message limits, health and reflection, TLS and interceptors (rsd_service.security,
+rsd_service.metrics), text or JSON logs with the call's ids, and a graceful drain on SIGTERM / SIGINT.
 
     config = load_config(VerifierConfig, "verifier", argv)          # RSD_VERIFIER_PORT=7001 or --port 7001
     setup_logging(config.log_format)
-    metrics = VerifierMetrics(servicer, batcher)                    # rsd_runtime.metrics
+    metrics = VerifierMetrics(servicer, batcher)                    # rsd_service.metrics
     server, port, health = await start_service(config, (add_VerifierServicer_to_server, servicer),
                                                "rsd.v1.Verifier", metrics)  # start_server as the config says
     await serve_until_signal(server, health, grace_s=config.drain_s, on_drain=servicer.drain)
 
 The fields every service config shares (host, port, TLS, limits, metrics_port, ...) are in
-rsd_runtime.service_config.
+rsd_service.config.
 """
 
 from __future__ import annotations
@@ -35,17 +35,17 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from rsd_runtime.security import ClientSecurity, ServerSecurity, channel, server_security
+from rsd_service.security import ClientSecurity, ServerSecurity, channel, server_security
 from rsd_wire import GRPC_OPTIONS, grpc_options
 
-if TYPE_CHECKING:  # rsd_runtime.metrics imports this module
-    from rsd_runtime.metrics import ServiceMetrics
-    from rsd_runtime.service_config import ServiceConfig
+if TYPE_CHECKING:  # rsd_service.metrics imports this module
+    from rsd_service.metrics import ServiceMetrics
+    from rsd_service.config import ServiceConfig
 
 T = TypeVar("T")
 
 # The ids of the call being served (method, session_id, request_id): set per RPC by
-# rsd_runtime.metrics.CallInterceptor, copied into tasks the call starts, added to every log record.
+# rsd_service.metrics.CallInterceptor, copied into tasks the call starts, added to every log record.
 log_context: contextvars.ContextVar[tuple[tuple[str, str], ...]] = contextvars.ContextVar("rsd_log_context", default=())
 LOG_FORMATS = ("text", "json")
 
@@ -161,7 +161,7 @@ async def start_server(
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Start a grpc.aio server with the servicers, health (SERVING) and reflection; port 0 picks one.
 
-    security: TLS / mTLS and the bearer token (rsd_runtime.security); `interceptors` run before the
+    security: TLS / mTLS and the bearer token (rsd_service.security); `interceptors` run before the
     token check (so metrics count refused calls). max_message_bytes: 0 = rsd_wire's default.
     max_concurrent_rpcs: more calls at once are answered RESOURCE_EXHAUSTED by gRPC (0 = no limit)."""
     security = security or ServerSecurity()

@@ -16,7 +16,7 @@ With Redis the services register themselves and the gateways find them in the re
 it the one gateway keeps sessions in its embedded store and is given the services' addresses.
 
 Security (ClusterSecurity; off by default): --secure turns on whatever the flags below do not give,
-with throwaway files in <run dir>/secure: a CA with a server and a client certificate (rsd_runtime.pki),
+with throwaway files in <run dir>/secure: a CA with a server and a client certificate (rsd_service.pki),
 a random public token and a random internal token. Given files: --tls-cert/--tls-key/--tls-ca (every
 service serves TLS with that certificate, which must name 127.0.0.1; peers and the launcher verify it
 with the CA), --tls-client-cert/--tls-client-key (client certificate of the internal hops: mTLS),
@@ -48,9 +48,9 @@ from pathlib import Path
 import redis
 
 from rsd_runtime import DTYPE_NAMES, QUANTIZE_MODES
-from rsd_runtime.placement import parse_cores
-from rsd_runtime.security import ClientSecurity, read_secret
-from rsd_runtime.serving import wait_healthy
+from rsd_service.placement import parse_cores
+from rsd_service.security import ClientSecurity, read_secret
+from rsd_service.serving import wait_healthy
 
 TINY_PROMPT = "w2 w10 w11 w12 w13"
 CODE_PROMPT = "# Return the n-th Fibonacci number\ndef fibonacci(n):"
@@ -178,7 +178,7 @@ def cluster_security(args: argparse.Namespace, run_dir: Path) -> ClusterSecurity
     folder.mkdir(mode=0o700, exist_ok=True)
     made: dict[str, str] = {}
     if not sec.tls_cert:
-        from rsd_runtime.pki import make_local_pki  # cryptography: only for --secure
+        from rsd_service.pki import make_local_pki  # cryptography: only for --secure
 
         pki = make_local_pki(folder)
         made.update(tls_ca=pki["ca"], tls_cert=pki["server"], tls_key=pki["server_key"])
@@ -305,14 +305,14 @@ def model_dirs(args: argparse.Namespace) -> tuple[Path, Path]:
         return Path(args.draft), Path(args.target)
     if args.draft or args.target:
         raise SystemExit("give both --draft and --target, or neither")
-    from rsd_runtime.provision import default_cache_dir
+    from rsd_tools.provision import default_cache_dir
 
     cache = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
     if args.tiny:
-        from rsd_runtime.tiny import build_tiny_pair
+        from rsd_tools.tiny import build_tiny_pair
 
         return build_tiny_pair(cache / "tiny", "qwen2")
-    from rsd_runtime.provision import provision_pair
+    from rsd_tools.provision import provision_pair
 
     paths = provision_pair(cache)
     return paths["draft"], paths["target"]
@@ -408,7 +408,7 @@ def run_generation(
     address: str, args: argparse.Namespace, out=sys.stdout, security: ClientSecurity | None = None
 ) -> str:
     """One generation through the gateway, streamed to `out`; stats to stderr. Returns the text."""
-    from rsd_runtime.client import RsdClient
+    from rsd_service.client import RsdClient
 
     prompt = args.prompt if args.prompt is not None else (TINY_PROMPT if args.tiny else CODE_PROMPT)
     with RsdClient(address, security=security) as client:

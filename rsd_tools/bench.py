@@ -2,9 +2,9 @@
 
     rsd bench --quick                                          # the real pair (provisioned/cached)
     rsd bench --protocol all --temperatures 0,0.6,1 --name cpu-full   # both paper protocols
-    python -m rsd_runtime.bench --config "ar;sd:4;specinfer:2,2,1;spectr:2x4;rsd_c:2,2,1;rsd_s:3x4" \\
+    python -m rsd_tools.bench --config "ar;sd:4;specinfer:2,2,1;spectr:2x4;rsd_c:2,2,1;rsd_s:3x4" \\
         --temperatures 0,1 --num-prompts 3 --max-new-tokens 32 --threads 2 --name cpu-quick
-    python -m rsd_runtime.bench --method ar --method rsd_s:3x4 --draft DIR --target DIR --prompts FILE
+    python -m rsd_tools.bench --method ar --method rsd_s:3x4 --draft DIR --target DIR --prompts FILE
 
 Methods are `name[:shape]`, separated by ';' in --config (shapes contain commas) or given one per
 --method flag: ar (target alone), sd:L, specinfer:K1,K2,..., spectr:KxL, rsd_c:K1,K2,..., rsd_s:WxL,
@@ -63,7 +63,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rsd_runtime import DTYPE_NAMES, QUANTIZE_MODES
-from rsd_runtime.placement import add_placement_flags
+from rsd_service.placement import add_placement_flags
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here reaches a model hub
 
@@ -953,7 +953,7 @@ def main(argv: list[str] | None = None) -> int:
         set_small_batch_rows,
         use_small_batch_linear,
     )
-    from rsd_runtime.placement import apply_placement
+    from rsd_service.placement import apply_placement
     from rsd_runtime.runner import ModelRunner
 
     hf_logging.disable_progress_bar()
@@ -980,7 +980,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.draft or args.target:
         raise SystemExit("error: give both --draft and --target, or neither")
     else:
-        from rsd_runtime.provision import provision_pair
+        from rsd_tools.provision import provision_pair
 
         paths = provision_pair(args.cache_dir)
         draft_dir, target_dir = paths["draft"], paths["target"]

@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 
 import grpc
 
-from rsd_runtime.security import ClientSecurity, sync_channel
+from rsd_service.security import ClientSecurity, sync_channel
 from rsd_wire import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 

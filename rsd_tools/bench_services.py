@@ -1,7 +1,7 @@
 """Benchmark of the distributed services: overhead, verifier capacity, and where a step's time goes.
 
-    python -m rsd_runtime.bench_services --tiny --name services-cpu
-    python -m rsd_runtime.bench_services --draft DIR --target DIR --overhead-only --num-prompts 1 \\
+    python -m rsd_tools.bench_services --tiny --name services-cpu
+    python -m rsd_tools.bench_services --draft DIR --target DIR --overhead-only --num-prompts 1 \\
         --max-new-tokens 16 --name services-real
 
 The services run as real processes (verifier, drafter, gateway; `python -m <service>`, one torch
@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rsd_runtime.cluster import Cluster, _wait_ready, free_port
+from rsd_tools.cluster import Cluster, _wait_ready, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -167,7 +167,7 @@ class Run:
 def gateway_run(
     address: str, prompt_ids: list[int], args, temperature: float, seed: int, barrier=None, max_new_tokens: int = 0
 ) -> Run:
-    from rsd_runtime.client import RsdClient
+    from rsd_service.client import RsdClient
 
     with RsdClient(address, timeout_s=args.request_timeout_s) as client:
         if barrier is not None:
@@ -263,8 +263,8 @@ def model_dirs(args) -> tuple[Path, Path]:
         return Path(args.draft), Path(args.target)
     if args.draft or args.target:
         raise SystemExit("give both --draft and --target, or --tiny")
-    from rsd_runtime.provision import default_cache_dir
-    from rsd_runtime.tiny import build_tiny_pair
+    from rsd_tools.provision import default_cache_dir
+    from rsd_tools.tiny import build_tiny_pair
 
     cache = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
     return build_tiny_pair(
@@ -413,7 +413,7 @@ MISSING = [
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m rsd_runtime.bench_services", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m rsd_tools.bench_services", description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="a medium tiny qwen2 pair (the default without --draft)")
     ap.add_argument("--draft")
     ap.add_argument("--target")
@@ -564,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "name": args.name,
         "created": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "command": "python -m rsd_runtime.bench_services " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m rsd_tools.bench_services " + " ".join(argv if argv is not None else sys.argv[1:]),
         "elapsed_s": round(time.perf_counter() - t_start, 1),
         "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
         "models": {

@@ -5,10 +5,10 @@
     ModelServiceConfig     a service that holds a model (drafter, verifier): model, KV capacity, torch
                            threads, and its entry in the Redis registry
 
-ModelServiceConfig also places the process: `cores` and `threads` (rsd_runtime.placement).
+ModelServiceConfig also places the process: `cores` and `threads` (rsd_service.placement).
 
 A base field reads like the service's own: RSD_<SERVICE>_<FIELD> env and a --field flag
-(rsd_runtime.serving.load_config walks dataclasses.fields, inherited ones included). A service
+(rsd_service.serving.load_config walks dataclasses.fields, inherited ones included). A service
 changes a default by declaring the field again (the gateway's port 7000); it keeps its place.
 Base fields come first; every field has a default, so the order is always valid.
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rsd_runtime.placement import parse_cores
+from rsd_service.placement import parse_cores
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class ServiceConfig:
     port: int = 0  # 0 picks a free port
     # Graceful stop: seconds running work gets to finish after SIGTERM.
     drain_s: float = 10.0
-    # Security (rsd_runtime.security). TLS: tls_cert + tls_key (PEM files); with tls_ca as well,
+    # Security (rsd_service.security). TLS: tls_cert + tls_key (PEM files); with tls_ca as well,
     # clients must present a certificate that CA signed (mTLS). internal_token: the shared secret of
     # the internal hops (`authorization: Bearer <token>`), as a value (env RSD_<SERVICE>_INTERNAL_TOKEN)
     # or a file; "" = none. Drafter and verifier require it of every caller (gRPC health and reflection
@@ -70,7 +70,7 @@ class ServiceConfig:
 
 @dataclass(frozen=True)
 class PeerTLSConfig:
-    """Dialing other services (rsd_runtime.security.peer_security): TLS when peer_tls_ca is set (the CA
+    """Dialing other services (rsd_service.security.peer_security): TLS when peer_tls_ca is set (the CA
     of their certificates), a client certificate for mTLS (peer_tls_cert + peer_tls_key)."""
 
     peer_tls_ca: str = ""
@@ -98,7 +98,7 @@ class ModelServiceConfig(ServiceConfig):
     redis_namespace: str = "rsd"
     heartbeat_s: float = 2.0
     registration_ttl_s: float = 6.0
-    # Placement (rsd_runtime.placement): the CPU cores this process may use, a Linux CPU list such as
+    # Placement (rsd_service.placement): the CPU cores this process may use, a Linux CPU list such as
     # "0" or "0-1,3" ("" = any), applied to all its threads before the model loads; torch intra-op
     # threads (0 = one per given core, else torch's default).
     cores: str = ""

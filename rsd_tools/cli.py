@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from rsd_runtime import DTYPE_NAMES, QUANTIZE_MODES
-from rsd_runtime.placement import add_placement_flags
+from rsd_service.placement import add_placement_flags
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here reaches a model hub
 
@@ -103,11 +103,11 @@ def _model_dirs(args) -> tuple[Path, Path]:
     if args.draft or args.target:
         raise SystemExit("give both --draft and --target, or neither")
     if args.tiny:
-        from rsd_runtime.provision import default_cache_dir
-        from rsd_runtime.tiny import build_tiny_pair
+        from rsd_tools.provision import default_cache_dir
+        from rsd_tools.tiny import build_tiny_pair
 
         return build_tiny_pair((args.cache_dir or default_cache_dir()) / "tiny", "qwen2")
-    from rsd_runtime.provision import provision_pair
+    from rsd_tools.provision import provision_pair
 
     paths = provision_pair(args.cache_dir)
     return paths["draft"], paths["target"]
@@ -119,9 +119,9 @@ def generate_remote(args) -> int:
 
     import grpc
 
-    from rsd_runtime.client import RsdClient
-    from rsd_runtime.cluster import print_stats
-    from rsd_runtime.security import ClientSecurity, read_secret
+    from rsd_service.client import RsdClient
+    from rsd_tools.cluster import print_stats
+    from rsd_service.security import ClientSecurity, read_secret
 
     if args.method == "ar":
         raise SystemExit("error: the gateway serves speculative methods only (not ar)")
@@ -169,7 +169,7 @@ def generate(args) -> int:
     from rsd_runtime.attention import UnsupportedModelError
     from rsd_runtime.generator import SpeculativeGenerator
     from rsd_runtime.models import load_model, load_tokenizer, prune_draft_vocab, quantize_draft, use_small_batch_linear
-    from rsd_runtime.placement import apply_placement
+    from rsd_service.placement import apply_placement
     from rsd_runtime.predraft import PipelinedGenerator
     from rsd_runtime.runner import ModelRunner
 
@@ -252,15 +252,15 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("bench", add_help=False, help="benchmark every method on one model pair (rsd bench -h)")
     args, rest = ap.parse_known_args(argv)
     if args.command == "bench":
-        from rsd_runtime.bench import main as bench_main
+        from rsd_tools.bench import main as bench_main
 
         return bench_main(rest)
     if args.command == "cluster":
-        from rsd_runtime.cluster import main as cluster_main
+        from rsd_tools.cluster import main as cluster_main
 
         return cluster_main(rest)
     if args.command == "provision":
-        from rsd_runtime.provision import main as provision_main
+        from rsd_tools.provision import main as provision_main
 
         return provision_main((["--cache-dir", str(args.cache_dir)] if args.cache_dir else []) + rest)
     if rest:

@@ -1,6 +1,6 @@
 """Who may talk to an rsd service, and over what: bearer tokens and TLS / mTLS, in one place.
 
-Servers (rsd_runtime.serving.start_server) take a ServerSecurity, clients dial with a ClientSecurity:
+Servers (rsd_service.serving.start_server) take a ServerSecurity, clients dial with a ClientSecurity:
 
     server = ServerSecurity(tls_cert="srv.pem", tls_key="srv.key", tls_ca="ca.pem", token="s3cret")
     # tls_cert + tls_key: TLS; tls_ca as well: clients must present a certificate that CA signed (mTLS);

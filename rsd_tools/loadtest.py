@@ -1,8 +1,8 @@
 """A bounded load test: N concurrent clients generating through a gateway for M seconds.
 
-    python -m rsd_runtime.loadtest --clients 8 --duration-s 60              # starts `rsd cluster --tiny`
-    python -m rsd_runtime.loadtest --gateway 127.0.0.1:7000 --pid verifier=123 ...   # a running cluster
-    python -m rsd_runtime.loadtest --in-process --clients 2 --duration-s 3  # one process, seconds (tests)
+    python -m rsd_tools.loadtest --clients 8 --duration-s 60              # starts `rsd cluster --tiny`
+    python -m rsd_tools.loadtest --gateway 127.0.0.1:7000 --pid verifier=123 ...   # a running cluster
+    python -m rsd_tools.loadtest --in-process --clients 2 --duration-s 3  # one process, seconds (tests)
 
 Each client loops: one Generate (a prompt of its own, a new session), read the stream to the end,
 repeat until the time is up; a request that started before the deadline is finished. Reported:
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import grpc
 
-from rsd_runtime.client import RsdClient
+from rsd_service.client import RsdClient
 
 
 @dataclass
@@ -188,7 +188,7 @@ def summarize(args, results: list[RequestResult], wall_s: float, memory, setup: 
 def to_markdown(report: LoadReport) -> str:
     setup = report.setup
     lines = [
-        "# Load test (python -m rsd_runtime.loadtest)",
+        "# Load test (python -m rsd_tools.loadtest)",
         "",
         f"{report.clients} concurrent clients for {report.duration_s:g} s against {setup['cluster']}; "
         f"{setup['method']} {setup['shape']}, T={setup['temperature']:g}, {setup['max_new_tokens']} new tokens "
@@ -232,7 +232,7 @@ class InProcess:
     def __init__(self, cache_dir: str | None):
         import tempfile
 
-        from rsd_runtime.tiny import build_tiny_pair
+        from rsd_tools.tiny import build_tiny_pair
 
         self._tmp = None if cache_dir else tempfile.TemporaryDirectory(prefix="rsd-load-")
         self.dirs = build_tiny_pair(Path(cache_dir or self._tmp.name) / "tiny", "qwen2")
@@ -272,7 +272,7 @@ class InProcess:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m rsd_runtime.loadtest", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m rsd_tools.loadtest", description=__doc__.split("\n")[0])
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--duration-s", type=float, default=60.0)
     ap.add_argument("--gateway", default="", help="a running gateway (default: start `rsd cluster --tiny`)")
@@ -305,8 +305,8 @@ def main(argv: list[str] | None = None) -> int:
         address, where = in_process.address, "in-process servers (tiny Qwen2 pair, one process)"
         memory["all-in-one"] = MemoryTrack(os.getpid())
     else:
-        from rsd_runtime.cluster import build_parser as cluster_parser
-        from rsd_runtime.cluster import start_cluster
+        from rsd_tools.cluster import build_parser as cluster_parser
+        from rsd_tools.cluster import start_cluster
 
         cluster_args = ["--no-generate", "--start-timeout-s", "600"] + ([] if args.real else ["--tiny"])
         cluster_args += ["--cache-dir", args.cache_dir] if args.cache_dir else []

