@@ -44,27 +44,24 @@ from rsd_runtime.generator import Drafter, Stream, step_generator
 from rsd_runtime.predraft import PreDrafter
 from rsd_runtime.runner import ModelRunner
 from rsd_service.security import channel, peer_security
+from rsd_service.status import Conflict, Exhausted, RpcError
 from rsd_wire import common_pb2, verifier_pb2, verifier_pb2_grpc
 from rsd_wire.convert import draft_tree_to_proto, verdict_from_proto
 
 log = logging.getLogger(__name__)
 
 
-class DraftPoolFullError(RuntimeError):
+class DraftPoolFullError(Exhausted):
     """Every draft runner is busy with a running session."""
 
 
-class RunConflictError(RuntimeError):
+class RunConflictError(Conflict):
     """A run of the session at the same or a newer epoch is in progress."""
 
 
-class VerifierFailedError(RuntimeError):
+class VerifierFailedError(RpcError):
     """The verifier refused or broke the session's stream; `code` is what it answered (UNAVAILABLE
     when it could not be reached or sent something malformed)."""
-
-    def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(details)
-        self.code, self.details = code, details
 
 
 @dataclass(frozen=True)

@@ -20,11 +20,11 @@ from grpc_health.v1 import health
 from drafter_service.config import DrafterConfig
 from drafter_service.engine import DrafterEngine
 from drafter_service.servicer import DrafterServicer
-from gateway.store import RedisSessionStore, ServiceInfo
 from rsd_runtime.attention import UnsupportedModelError
-from rsd_service.metrics import DrafterMetrics
 from rsd_runtime.models import load_model, prune_draft_vocab, quantize_draft
+from rsd_service.metrics import DrafterMetrics
 from rsd_service.placement import Placement, PlacementError, apply_placement
+from rsd_service.registry import RedisServiceRegistry, ServiceInfo
 from rsd_service.serving import (
     Heartbeat,
     default_service_id,
@@ -92,7 +92,7 @@ async def create_server(
     handle = DrafterHandle(config, drafter_id, address, engine, servicer, health_servicer, metrics)
     handle.placement, handle.quantize = placement, quantize
     if config.redis_url:
-        store = RedisSessionStore(redis.Redis.from_url(config.redis_url), namespace=config.redis_namespace)
+        store = RedisServiceRegistry(redis.Redis.from_url(config.redis_url), namespace=config.redis_namespace)
         heartbeat = Heartbeat(store, handle.service_info, config.heartbeat_s, config.registration_ttl_s)
         try:
             await heartbeat.start()  # fail fast on a wrong URL

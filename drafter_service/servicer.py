@@ -12,16 +12,16 @@ maps errors to status codes.
 from __future__ import annotations
 
 import logging
-import re
 
 import grpc
 
-from drafter_service.engine import DrafterEngine, DraftPoolFullError, RunConflictError, RunJob, VerifierFailedError
+from drafter_service.engine import DrafterEngine, RunJob
+from rsd_service.registry import ID_PATTERN, check_id
+from rsd_service.status import abort
 from rsd_wire import drafter_pb2, drafter_pb2_grpc
 from rsd_wire.convert import generation_params_from_proto
 
 log = logging.getLogger(__name__)
-_SESSION_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")  # the registry's id alphabet (gateway/store.py)
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
@@ -41,20 +41,16 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     finish_reason=step.finish_reason,
                 )
         except Exception as e:
-            code, details = _status_of(e)
-            if code == grpc.StatusCode.INTERNAL:
-                log.error("session %s: internal error", request.session_id or "?", exc_info=e)
-            await context.abort(code, details)
+            await abort(context, e, log, f"session {request.session_id or '?'}")
 
     async def Cancel(self, request: drafter_pb2.CancelRunRequest, context) -> drafter_pb2.CancelRunResponse:
-        if not _SESSION_ID.fullmatch(request.session_id):
+        if not ID_PATTERN.fullmatch(request.session_id):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"session_id: got {request.session_id[:140]!r}")
         return drafter_pb2.CancelRunResponse(was_running=self.engine.cancel(request.session_id, request.epoch))
 
     def validate(self, request: drafter_pb2.RunRequest) -> RunJob:
         """RunRequest -> RunJob; ValueError naming the field when the request is malformed."""
-        if not _SESSION_ID.fullmatch(request.session_id):
-            raise ValueError(f"session_id must be 1-128 characters of [A-Za-z0-9._-], got {request.session_id!r}")
+        check_id("session_id", request.session_id)
         committed = list(request.committed_token_ids)
         if not committed:
             raise ValueError("committed_token_ids must not be empty")
@@ -91,15 +87,3 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             verifier_address=request.verifier_address,
             verifier_id=request.verifier_id,
         )
-
-
-def _status_of(error: Exception) -> tuple[grpc.StatusCode, str]:
-    if isinstance(error, VerifierFailedError):
-        return error.code, error.details
-    if isinstance(error, RunConflictError):
-        return grpc.StatusCode.FAILED_PRECONDITION, str(error)
-    if isinstance(error, DraftPoolFullError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
-    if isinstance(error, ValueError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(error)
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}"

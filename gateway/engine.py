@@ -49,10 +49,11 @@ from gateway.store import (
     SessionRecord,
     SessionStatus,
     SessionStore,
-    _check_id,
 )
 from rsd.sampling import SamplingParams
 from rsd_service import security
+from rsd_service.registry import check_id
+from rsd_service.status import Conflict, Exhausted, RpcError
 from rsd_wire import (
     common_pb2,
     drafter_pb2,
@@ -99,20 +100,19 @@ class RequestError(ValueError):
     """A request the gateway refuses as it is (INVALID_ARGUMENT)."""
 
 
-class SessionBusy(Exception):
+class SessionBusy(Conflict):
     """The session already has a running turn (FAILED_PRECONDITION)."""
 
 
-class Overloaded(Exception):
+class Overloaded(Exhausted):
     """No capacity: too many running turns, or no live drafter / verifier (RESOURCE_EXHAUSTED)."""
 
 
-class TurnFailed(Exception):
+class TurnFailed(RpcError):
     """A run failed for good (the services' status is kept in `code`)."""
 
     def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.INTERNAL):
-        super().__init__(message)
-        self.code = code
+        super().__init__(code, message)
 
 
 class StoreUnavailable(TurnFailed):
@@ -483,7 +483,7 @@ class GatewayEngine:
 
     @staticmethod
     def store_check_id(session_id: str) -> None:
-        _check_id("session_id", session_id)
+        check_id("session_id", session_id)
 
     # -- Generate ------------------------------------------------------------------------------
 

@@ -58,10 +58,10 @@ from gateway.openai_schema import (
     model_list,
     usage,
 )
-from gateway.servicer import status_of
 from rsd_service.metrics import GatewayMetrics
 from rsd_service.security import TokenInterceptor, read_secret
 from rsd_service.serving import log_context
+from rsd_service.status import status_of
 from rsd_wire import gateway_pb2
 
 log = logging.getLogger("rsd.gateway")

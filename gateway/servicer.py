@@ -13,34 +13,15 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from gateway.engine import GatewayEngine, Overloaded, RequestError, SessionBusy, TurnFailed
-from gateway.store import SessionNotFound
+from gateway.engine import GatewayEngine
+from rsd_service.status import abort
 from rsd_wire import gateway_pb2, gateway_pb2_grpc
 
 log = logging.getLogger("rsd.gateway")
 
 
-def status_of(error: BaseException) -> tuple[grpc.StatusCode, str] | None:
-    """The gRPC status for an engine error, or None for an unexpected one."""
-    if isinstance(error, RequestError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(error)
-    if isinstance(error, SessionNotFound):
-        return grpc.StatusCode.NOT_FOUND, str(error)
-    if isinstance(error, SessionBusy):
-        return grpc.StatusCode.FAILED_PRECONDITION, str(error)
-    if isinstance(error, Overloaded):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
-    if isinstance(error, TurnFailed):
-        return error.code, str(error)
-    return None
-
-
 async def _abort(context: grpc.aio.ServicerContext, error: Exception, request_id: str) -> None:
-    mapped = status_of(error)
-    if mapped is None:
-        log.exception("request %s failed", request_id or "-", exc_info=error)
-        mapped = (grpc.StatusCode.INTERNAL, f"internal error (request {request_id or '-'})")
-    await context.abort(*mapped)
+    await abort(context, error, log, f"request {request_id or '-'}")
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):

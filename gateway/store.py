@@ -1,4 +1,5 @@
-"""Session state and the service registry: the `SessionStore` protocol and two implementations.
+"""Session state: the `SessionStore` protocol and two implementations (each also a service registry,
+rsd_service.registry, on the same Redis and namespace).
 
     RedisSessionStore   shared by every gateway; what it holds survives the death of any service
     MemorySessionStore  the same semantics inside one process (a single-process run, tests)
@@ -23,8 +24,7 @@ Redis layout, under a namespace (default "rsd"); ids are [A-Za-z0-9._-], so keys
                                kv_verifier_id, kv_length, epoch, created_unix_ms, updated_unix_ms
     {ns}:session:{id}:tokens   string: the committed ids packed as little-endian uint32, so the
                                committed length is STRLEN / 4 and an append is one APPEND
-    {ns}:service:{role}:{id}   string: a ServiceInfo as JSON; expires unless heartbeated
-    {ns}:services:{role}       set: ids of the role's registered services, pruned when listed
+    {ns}:service:{role}:{id}, {ns}:services:{role}: the registry's (rsd_service.registry)
     {ns}:running               set: hash keys of the RUNNING sessions (the gateways' orphan sweep reads
                                it), kept by the session scripts, pruned when listed
 Every key has a TTL: a session's two keys get session_ttl_s again on every write (the running set
@@ -39,15 +39,19 @@ from __future__ import annotations
 import json
 import re
 import struct
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any, Protocol
 
 import redis
 from redis.commands.core import Script
+
+from rsd_service.registry import MemoryServiceRegistry, RedisServiceRegistry, ServiceInfo, ServiceRegistry, check_id
+from rsd_service.status import NotFound
+
+__all__ = ["MemorySessionStore", "RedisSessionStore", "ServiceInfo", "SessionStore"]  # ServiceInfo: re-exported
 
 
 class SessionStatus(StrEnum):
@@ -88,20 +92,11 @@ class SessionRecord:
         return len(self.committed_ids)
 
 
-@dataclass(frozen=True)
-class ServiceInfo:
-    role: str  # "verifier" or "drafter"
-    service_id: str
-    address: str  # host:port of its gRPC server
-    capacity: int = 0  # sessions it can hold
-    load: int = 0  # sessions it holds now
-
-
 class StoreError(Exception):
     pass
 
 
-class SessionNotFound(StoreError, LookupError):
+class SessionNotFound(StoreError, NotFound):
     def __init__(self, session_id: str):
         super().__init__(f"session {session_id!r} not found (never created, deleted or expired)")
         self.session_id = session_id
@@ -121,7 +116,7 @@ class SessionConflict(StoreError):
         self.session_id, self.committed_length, self.epoch = session_id, committed_length, epoch
 
 
-class SessionStore(Protocol):
+class SessionStore(ServiceRegistry, Protocol):
     def create_session(self, session_id: str, prompt_ids: Sequence[int], params: Mapping[str, Any]) -> SessionRecord:
         """A new PENDING session at epoch 0 whose committed sequence is the prompt. SessionExists if taken."""
         ...
@@ -170,27 +165,11 @@ class SessionStore(Protocol):
         """Ids of the sessions whose status is RUNNING, sorted."""
         ...
 
-    def register_service(self, info: ServiceInfo, ttl_s: float) -> None:
-        """Register or heartbeat: the entry lives ttl_s seconds after the latest call."""
-        ...
-
-    def list_services(self, role: str) -> list[ServiceInfo]:
-        """Live services of a role, by service_id."""
-        ...
-
-    def unregister_service(self, role: str, service_id: str) -> None: ...
-
 
 # ---------------------------------------------------------------------------------------------
 # Validation and encoding shared by both stores
 
-_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _MAX_TOKEN_ID = 2**32 - 1
-
-
-def _check_id(kind: str, value: str) -> None:
-    if not isinstance(value, str) or not _ID.fullmatch(value):
-        raise ValueError(f"{kind} must be 1-128 characters of [A-Za-z0-9._-], got {value!r}")
 
 
 def _check_tokens(tokens: Sequence[int], what: str) -> list[int]:
@@ -336,44 +315,22 @@ end
 return out
 """
 
-# KEYS: [index set, service key]; ARGV: service_id, info json, ttl_ms
-_REGISTER = """
-redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
-redis.call('SADD', KEYS[1], ARGV[1])
-if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[3]) then redis.call('PEXPIRE', KEYS[1], ARGV[3]) end
-return 1
-"""
 
-# KEYS: [index set]; ARGV: service key prefix. Drops the ids whose key expired.
-_LIST = """
-local out = {}
-for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  local info = redis.call('GET', ARGV[1] .. id)
-  if info then table.insert(out, info) else redis.call('SREM', KEYS[1], id) end
-end
-return out
-"""
-
-
-class RedisSessionStore:
+class RedisSessionStore(RedisServiceRegistry):
     """SessionStore on one Redis server (standalone or a primary; scripts touch keys of one session,
     and the registry scripts a role's keys, so Redis Cluster is not supported)."""
 
     def __init__(self, client: redis.Redis, namespace: str = "rsd", session_ttl_s: float = 24 * 3600.0):
         if client.get_connection_kwargs().get("decode_responses"):
             raise ValueError("RedisSessionStore needs a client with decode_responses=False (tokens are binary)")
-        if not namespace or any(c.isspace() for c in namespace):
-            raise ValueError(f"namespace must be non-empty without spaces, got {namespace!r}")
         if session_ttl_s <= 0:
             raise ValueError(f"session_ttl_s must be > 0, got {session_ttl_s}")
-        self.client, self.namespace = client, namespace
+        super().__init__(client, namespace)
         self.session_ttl_ms = max(1, round(session_ttl_s * 1000))
         self._create = client.register_script(_CREATE)
         self._append = client.register_script(_APPEND)
         self._begin_epoch = client.register_script(_BEGIN_EPOCH)
         self._update = client.register_script(_UPDATE)
-        self._register = client.register_script(_REGISTER)
-        self._list = client.register_script(_LIST)
         self._list_running = client.register_script(_LIST_RUNNING)
         self._running_key = f"{namespace}:running"
 
@@ -383,12 +340,9 @@ class RedisSessionStore:
 
     def session_keys(self, session_id: str) -> list[str]:
         """[hash key, tokens key] of a session."""
-        _check_id("session_id", session_id)
+        check_id("session_id", session_id)
         key = f"{self.namespace}:session:{session_id}"
         return [key, f"{key}:tokens"]
-
-    def _service_key_prefix(self, role: str) -> str:
-        return f"{self.namespace}:service:{role}:"
 
     def _run(self, script: Script, session_id: str, args: list[Any], refused: str) -> tuple[int, int]:
         """Run a session script; raise on a missing session or a conflict; return (length, epoch)."""
@@ -443,8 +397,8 @@ class RedisSessionStore:
         return self._run(self._append, session_id, [*args, self.session_ttl_ms], refused)[0]
 
     def begin_epoch(self, session_id: str, expected_epoch: int, drafter_id: str, verifier_id: str) -> int:
-        _check_id("drafter_id", drafter_id)
-        _check_id("verifier_id", verifier_id)
+        check_id("drafter_id", drafter_id)
+        check_id("verifier_id", verifier_id)
         args = [_check_count("expected_epoch", expected_epoch), drafter_id, verifier_id, SessionStatus.RUNNING.value]
         refused = _epoch_refused(expected_epoch)
         return self._run(self._begin_epoch, session_id, [*args, self.session_ttl_ms], refused)[1]
@@ -486,27 +440,6 @@ class RedisSessionStore:
         prefix = f"{self.namespace}:session:"
         return sorted(key.decode().removeprefix(prefix) for key in self._list_running(keys=[self._running_key]))
 
-    def register_service(self, info: ServiceInfo, ttl_s: float) -> None:
-        _check_id("role", info.role)
-        _check_id("service_id", info.service_id)
-        if ttl_s <= 0:
-            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
-        index = f"{self.namespace}:services:{info.role}"
-        key = self._service_key_prefix(info.role) + info.service_id
-        self._register(keys=[index, key], args=[info.service_id, json.dumps(asdict(info)), max(1, round(ttl_s * 1000))])
-
-    def list_services(self, role: str) -> list[ServiceInfo]:
-        _check_id("role", role)
-        found = self._list(keys=[f"{self.namespace}:services:{role}"], args=[self._service_key_prefix(role)])
-        return sorted((ServiceInfo(**json.loads(raw)) for raw in found), key=lambda s: s.service_id)
-
-    def unregister_service(self, role: str, service_id: str) -> None:
-        _check_id("role", role)
-        _check_id("service_id", service_id)
-        pipe = self.client.pipeline(transaction=True)
-        pipe.delete(self._service_key_prefix(role) + service_id).srem(f"{self.namespace}:services:{role}", service_id)
-        pipe.execute()
-
 
 # ---------------------------------------------------------------------------------------------
 # In memory
@@ -519,7 +452,7 @@ class _Session:
     expires_at: float  # on the store's clock
 
 
-class MemorySessionStore:
+class MemorySessionStore(MemoryServiceRegistry):
     """SessionStore in this process's memory, same semantics as RedisSessionStore (TTLs included).
     For a single-process run only: nothing is shared or survives the process."""
 
@@ -527,14 +460,13 @@ class MemorySessionStore:
         """clock: the store's one clock in unix seconds: stamps, now_ms and TTLs (tests pass a fake one)."""
         if session_ttl_s <= 0:
             raise ValueError(f"session_ttl_s must be > 0, got {session_ttl_s}")
-        self.session_ttl_s, self.clock = session_ttl_s, clock
+        super().__init__(clock)
+        self.session_ttl_s = session_ttl_s
         self._sessions: dict[str, _Session] = {}
-        self._services: dict[str, dict[str, tuple[ServiceInfo, float]]] = {}  # role -> id -> (info, expires_at)
-        self._lock = threading.Lock()
 
     def _live(self, session_id: str) -> _Session:
         """The live session (lock held), expired ones dropped."""
-        _check_id("session_id", session_id)
+        check_id("session_id", session_id)
         entry = self._sessions.get(session_id)
         if entry is not None and entry.expires_at <= self.clock():
             del self._sessions[session_id]
@@ -599,8 +531,8 @@ class MemorySessionStore:
             return entry.record.committed_length
 
     def begin_epoch(self, session_id: str, expected_epoch: int, drafter_id: str, verifier_id: str) -> int:
-        _check_id("drafter_id", drafter_id)
-        _check_id("verifier_id", verifier_id)
+        check_id("drafter_id", drafter_id)
+        check_id("verifier_id", verifier_id)
         expected_epoch = _check_count("expected_epoch", expected_epoch)
         with self._lock:
             entry = self._live(session_id)
@@ -672,25 +604,3 @@ class MemorySessionStore:
                 for sid, entry in self._sessions.items()
                 if entry.expires_at > now and entry.record.status == SessionStatus.RUNNING
             )
-
-    def register_service(self, info: ServiceInfo, ttl_s: float) -> None:
-        _check_id("role", info.role)
-        _check_id("service_id", info.service_id)
-        if ttl_s <= 0:
-            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
-        with self._lock:
-            self._services.setdefault(info.role, {})[info.service_id] = (info, self.clock() + ttl_s)
-
-    def list_services(self, role: str) -> list[ServiceInfo]:
-        _check_id("role", role)
-        now = self.clock()
-        with self._lock:
-            live = {sid: entry for sid, entry in self._services.get(role, {}).items() if entry[1] > now}
-            self._services[role] = live
-            return [live[sid][0] for sid in sorted(live)]
-
-    def unregister_service(self, role: str, service_id: str) -> None:
-        _check_id("role", role)
-        _check_id("service_id", service_id)
-        with self._lock:
-            self._services.get(role, {}).pop(service_id, None)

@@ -39,8 +39,8 @@ from rsd_service.security import ClientSecurity, ServerSecurity, channel, server
 from rsd_wire import GRPC_OPTIONS, grpc_options
 
 if TYPE_CHECKING:  # rsd_service.metrics imports this module
-    from rsd_service.metrics import ServiceMetrics
     from rsd_service.config import ServiceConfig
+    from rsd_service.metrics import ServiceMetrics
 
 T = TypeVar("T")
 
@@ -256,7 +256,7 @@ async def wait_healthy(
 
 
 class Heartbeat:
-    """Keeps a service registered in a registry (gateway.store's register_service /
+    """Keeps a service registered in a registry (rsd_service.registry: register_service /
     unregister_service) while it runs: registers now, refreshes every `every_s`, and the entry
     expires `ttl_s` after the last refresh, so a crashed service disappears by itself.
 

@@ -120,8 +120,8 @@ def generate_remote(args) -> int:
     import grpc
 
     from rsd_service.client import RsdClient
-    from rsd_tools.cluster import print_stats
     from rsd_service.security import ClientSecurity, read_secret
+    from rsd_tools.cluster import print_stats
 
     if args.method == "ar":
         raise SystemExit("error: the gateway serves speculative methods only (not ar)")
@@ -169,9 +169,9 @@ def generate(args) -> int:
     from rsd_runtime.attention import UnsupportedModelError
     from rsd_runtime.generator import SpeculativeGenerator
     from rsd_runtime.models import load_model, load_tokenizer, prune_draft_vocab, quantize_draft, use_small_batch_linear
-    from rsd_service.placement import apply_placement
     from rsd_runtime.predraft import PipelinedGenerator
     from rsd_runtime.runner import ModelRunner
+    from rsd_service.placement import apply_placement
 
     hf_logging.disable_progress_bar()
     try:

@@ -28,9 +28,9 @@ import yaml
 from deploy.ray_pool import PoolConfig, parse_args
 from drafter_service.config import DrafterConfig
 from gateway.config import GatewayConfig
+from rsd_service.serving import load_config
 from rsd_tools import cluster as cluster_mod
 from rsd_tools.provision import MODELS
-from rsd_service.serving import load_config
 from verifier_service.config import VerifierConfig
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -39,10 +39,10 @@ from gateway.server import create_server
 from gateway.store import MemorySessionStore, RedisSessionStore
 from rsd.methods import Method
 from rsd.sampling import SamplingParams
-from rsd_service.client import RsdClient, build_params
 from rsd_runtime.generator import Drafter, SpeculativeGenerator, Stream, Verifier, step_generator
 from rsd_runtime.models import load_model, load_tokenizer
 from rsd_runtime.runner import ModelRunner
+from rsd_service.client import RsdClient, build_params
 from rsd_service.serving import start_server
 from rsd_tools.tiny import build_tiny_pair
 from rsd_wire import common_pb2, drafter_pb2, drafter_pb2_grpc, gateway_pb2

@@ -21,8 +21,8 @@ from drafter_service.server import create_server as create_drafter
 from gateway.config import GatewayConfig
 from gateway.server import create_server as create_gateway
 from gateway.store import MemorySessionStore
-from rsd_service.client import RsdClient
 from rsd_runtime.models import load_model, load_tokenizer
+from rsd_service.client import RsdClient
 from rsd_service.security import ClientSecurity
 from rsd_service.serving import JsonFormatter, _ContextFilter, log_context
 from rsd_tools.tiny import build_tiny_pair

@@ -21,8 +21,8 @@ from drafter_service.server import create_server as create_drafter
 from gateway.config import GatewayConfig
 from gateway.server import create_server as create_gateway
 from gateway.store import MemorySessionStore
-from rsd_service.client import RsdClient
 from rsd_runtime.models import load_model, load_tokenizer
+from rsd_service.client import RsdClient
 from rsd_service.pki import make_ca, make_leaf, make_local_pki, write_pem
 from rsd_service.security import ClientSecurity, ServerSecurity, TokenInterceptor, channel, read_secret
 from rsd_service.serving import wait_healthy

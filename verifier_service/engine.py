@@ -30,13 +30,14 @@ from rsd.acceptance import Rule, Verdict, verify
 from rsd.sampling import SamplingParams, logits_to_probs
 from rsd.tree import DraftTree, node_depths, tree_attention_mask, validate_tree
 from rsd_runtime.attention import check_model
+from rsd_service.status import Exhausted, NotFound
 
 
-class PoolFullError(RuntimeError):
+class PoolFullError(Exhausted):
     """Every slot of the KV pool is taken."""
 
 
-class UnknownSessionError(LookupError):
+class UnknownSessionError(NotFound):
     """The session is not attached to the engine."""
 
 

@@ -17,11 +17,11 @@ import redis
 import torch
 from grpc_health.v1 import health
 
-from gateway.store import RedisSessionStore, ServiceInfo
 from rsd_runtime.attention import UnsupportedModelError
-from rsd_service.metrics import VerifierMetrics
 from rsd_runtime.models import load_model
+from rsd_service.metrics import VerifierMetrics
 from rsd_service.placement import Placement, PlacementError, apply_placement
+from rsd_service.registry import RedisServiceRegistry, ServiceInfo
 from rsd_service.serving import (
     Heartbeat,
     default_service_id,
@@ -98,7 +98,7 @@ async def create_server(
     handle = VerifierHandle(config, servicer.verifier_id, address, engine, batcher, servicer, health_servicer, metrics)
     handle.placement = placement
     if config.redis_url:
-        store = RedisSessionStore(redis.Redis.from_url(config.redis_url), namespace=config.redis_namespace)
+        store = RedisServiceRegistry(redis.Redis.from_url(config.redis_url), namespace=config.redis_namespace)
         heartbeat = Heartbeat(store, handle.service_info, config.heartbeat_s, config.registration_ttl_s)
         try:
             await heartbeat.start()  # fail fast on a wrong URL

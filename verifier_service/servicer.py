@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from dataclasses import dataclass, field
 
@@ -26,21 +25,14 @@ from rsd.acceptance import Rule, Verdict
 from rsd.methods import Method
 from rsd.sampling import SamplingParams
 from rsd_runtime.generator import Stream, step_generator
+from rsd_service.registry import check_id
+from rsd_service.status import RpcError, abort
 from rsd_wire import common_pb2, verifier_pb2, verifier_pb2_grpc
 from rsd_wire.convert import draft_tree_from_proto, generation_params_from_proto, verdict_to_proto
 from verifier_service.batcher import Batcher, BatchInfo
 from verifier_service.engine import BatchedVerifier, PoolFullError, UnknownSessionError, VerifyRequest
 
 log = logging.getLogger(__name__)
-_SESSION_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")  # the registry's id alphabet (gateway/store.py)
-
-
-class RpcError(Exception):
-    """An error with the status code the client gets."""
-
-    def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(details)
-        self.code, self.details = code, details
 
 
 @dataclass
@@ -83,7 +75,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             await self._abort(context, e, request.session_id)
 
     async def _attach(self, request: verifier_pb2.AttachRequest) -> verifier_pb2.AttachResponse:
-        sid = _check_session_id(request.session_id)
+        sid = check_id("session_id", request.session_id)
         committed = list(request.committed_token_ids)
         if not committed:
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "committed_token_ids must not be empty")
@@ -267,7 +259,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     # ---- Release --------------------------------------------------------------------------------
     async def Release(self, request: verifier_pb2.ReleaseRequest, context) -> verifier_pb2.ReleaseResponse:
         try:
-            _check_session_id(request.session_id)
+            check_id("session_id", request.session_id)
         except ValueError as e:
             await self._abort(context, e, "")
         async with self.batcher.engine_lock:
@@ -281,27 +273,5 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             self._last_used.pop(request.session_id, None)
         return verifier_pb2.ReleaseResponse(released=True)
 
-    # ---- errors ---------------------------------------------------------------------------------
     async def _abort(self, context, error: Exception, session_id: str) -> None:
-        code, details = _status_of(error)
-        if code == grpc.StatusCode.INTERNAL:
-            log.error("session %s: internal error", session_id or "?", exc_info=error)
-        await context.abort(code, details)
-
-
-def _status_of(error: Exception) -> tuple[grpc.StatusCode, str]:
-    if isinstance(error, RpcError):
-        return error.code, error.details
-    if isinstance(error, UnknownSessionError):
-        return grpc.StatusCode.NOT_FOUND, str(error)
-    if isinstance(error, PoolFullError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
-    if isinstance(error, ValueError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(error)
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}"
-
-
-def _check_session_id(session_id: str) -> str:
-    if not _SESSION_ID.fullmatch(session_id):
-        raise ValueError(f"session_id must be 1-128 characters of [A-Za-z0-9._-], got {session_id!r}")
-    return session_id
+        await abort(context, error, log, f"session {session_id or '?'}")
