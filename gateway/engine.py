@@ -50,6 +50,7 @@ from gateway.store import (
     SessionStatus,
     SessionStore,
 )
+from rsd.methods import DEFAULT_SHAPES
 from rsd.sampling import SamplingParams
 from rsd_service import security
 from rsd_service.registry import check_id
@@ -66,7 +67,6 @@ from rsd_wire.convert import parse_method
 
 log = logging.getLogger("rsd.gateway")
 
-DEFAULT_SHAPES = {"sd": "4", "specinfer": "2,2,1", "spectr": "3x4", "rsd_c": "2,2,1", "rsd_s": "3x4"}
 _CONTEXT_TOKENS = 6  # committed tokens decoded in front of new ones, so spacing and merges come out right
 _MAX_REQUEST_ID = 128
 _MAX_STOP_CHARS = 256

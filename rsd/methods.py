@@ -26,6 +26,8 @@ from rsd.drafting import DraftMode, Proposal, draft_sbs, draft_tree
 from rsd.tree import DraftTree
 
 METHOD_NAMES = ("sd", "specinfer", "spectr", "rsd_c", "rsd_s")
+# The shape each method runs with when none is given (gateway, CLI): chains of 4, trees of 5-12 nodes.
+DEFAULT_SHAPES = {"sd": "4", "specinfer": "2,2,1", "spectr": "3x4", "rsd_c": "2,2,1", "rsd_s": "3x4"}
 _RULE = {"sd": "rrs", "specinfer": "rrs_with_replacement", "spectr": "kseq", "rsd_c": "rrs", "rsd_s": "rrs"}
 _DRAFT_MODE = {  # at T > 0; rsd_s drafts by Stochastic Beam Search instead
     "sd": DraftMode.WITHOUT_REPLACEMENT,

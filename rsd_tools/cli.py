@@ -94,9 +94,6 @@ def _add_generate(sub) -> None:
     p.add_argument("--tls-key", default="", help="with --server: the client certificate's key (PEM)")
 
 
-DEFAULT_SHAPES = {"sd": "4", "specinfer": "2,2,1", "spectr": "3x4", "rsd_c": "2,2,1", "rsd_s": "3x4"}
-
-
 def _model_dirs(args) -> tuple[Path, Path]:
     if args.draft and args.target:
         return Path(args.draft), Path(args.target)
@@ -164,7 +161,7 @@ def generate(args) -> int:
     import torch
     from transformers.utils import logging as hf_logging
 
-    from rsd.methods import Method
+    from rsd.methods import DEFAULT_SHAPES, Method
     from rsd.sampling import SamplingParams
     from rsd_runtime.attention import UnsupportedModelError
     from rsd_runtime.generator import SpeculativeGenerator
