@@ -8,7 +8,7 @@
 ModelServiceConfig also places the process: `cores` and `threads` (rsd_service.placement).
 
 A base field reads like the service's own: RSD_<SERVICE>_<FIELD> env and a --field flag
-(rsd_service.serving.load_config walks dataclasses.fields, inherited ones included). A service
+(load_config, below, walks dataclasses.fields, inherited ones included). A service
 changes a default by declaring the field again (the gateway's port 7000); it keeps its place.
 Base fields come first; every field has a default, so the order is always valid.
 
@@ -19,9 +19,18 @@ naming every invalid field.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from rsd_service.placement import parse_cores
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -120,3 +129,43 @@ class ModelServiceConfig(ServiceConfig):
             "registration_ttl_s": self.registration_ttl_s > self.heartbeat_s,
             "threads": self.threads >= 0,
         }
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading a config: defaults < env < flags
+
+
+def _field_type(cls: type, f: dataclasses.Field) -> type:
+    hint = typing.get_type_hints(cls)[f.name]
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:  # X | None -> X
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
+
+
+def _parse(kind: type, text: str, name: str) -> Any:
+    try:
+        if kind is bool:
+            if text.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                raise ValueError(text)
+            return text.lower() in ("1", "true", "yes")
+        return kind(text)
+    except ValueError:
+        raise ValueError(f"{name}: cannot read {text!r} as {kind.__name__}") from None
+
+
+def load_config(cls: type[T], service: str, argv: Sequence[str] | None = None, env=os.environ) -> T:
+    """An instance of the frozen dataclass `cls`: defaults < RSD_<SERVICE>_<FIELD> env < --field flags."""
+    values: dict[str, Any] = {}
+    parser = argparse.ArgumentParser(prog=f"rsd-{service}", description=(cls.__doc__ or "").split("\n")[0])
+    for f in dataclasses.fields(cls):
+        kind, env_name = _field_type(cls, f), f"RSD_{service.upper()}_{f.name.upper()}"
+        if env_name in env:
+            values[f.name] = _parse(kind, env[env_name], env_name)
+        flag = "--" + f.name.replace("_", "-")
+        parser.add_argument(flag, dest=f.name, default=None, help=f"env {env_name}")
+    args = parser.parse_args(list(argv) if argv is not None else [])
+    for f in dataclasses.fields(cls):
+        text = getattr(args, f.name)
+        if text is not None:
+            values[f.name] = _parse(_field_type(cls, f), text, "--" + f.name.replace("_", "-"))
+    return cls(**values)

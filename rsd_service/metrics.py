@@ -4,7 +4,7 @@ Each server handle owns one ServiceMetrics with a registry of its own (two serve
 process do not collide) and, when its config's metrics_port is set, prometheus_client's HTTP
 exporter on it. CallInterceptor wraps every RPC (health and reflection excepted): it counts calls
 by method and status code, times them, puts the method, session and request ids into the log
-context (rsd_service.serving.log_context), and hands each response to the service's observer.
+context (rsd_service.logs.log_context), and hands each response to the service's observer.
 
     metrics = GatewayMetrics(engine)                          # or VerifierMetrics / DrafterMetrics
     server = await start_server(..., interceptors=[metrics.interceptor(), *auth])
@@ -25,8 +25,8 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from rsd_service.logs import log_context
 from rsd_service.security import EXEMPT_PREFIXES
-from rsd_service.serving import log_context
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 _COUNT_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 64, 128, 256, 512, 1024)

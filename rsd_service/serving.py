@@ -16,18 +16,11 @@ rsd_service.config.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import contextvars
-import dataclasses
-import json
 import logging
-import os
 import re
 import signal
 import socket
-import types
-import typing
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -35,6 +28,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from rsd_service.config import load_config
+from rsd_service.logs import LOG_FORMATS, log_context, setup_logging  # noqa: F401  (re-exported)
 from rsd_service.security import ClientSecurity, ServerSecurity, channel, server_security
 from rsd_wire import GRPC_OPTIONS, grpc_options
 
@@ -43,69 +38,6 @@ if TYPE_CHECKING:  # rsd_service.metrics imports this module
     from rsd_service.metrics import ServiceMetrics
 
 T = TypeVar("T")
-
-# The ids of the call being served (method, session_id, request_id): set per RPC by
-# rsd_service.metrics.CallInterceptor, copied into tasks the call starts, added to every log record.
-log_context: contextvars.ContextVar[tuple[tuple[str, str], ...]] = contextvars.ContextVar("rsd_log_context", default=())
-LOG_FORMATS = ("text", "json")
-
-
-class _ContextFilter(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        for key, value in log_context.get():
-            if not hasattr(record, key):  # an explicit extra={...} wins
-                setattr(record, key, value)
-        return True
-
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, logger, message, the call's ids, and any extra fields."""
-
-    _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
-
-    def format(self, record: logging.LogRecord) -> str:
-        out: dict[str, Any] = {
-            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}",
-            "level": record.levelname,
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
-        out.update({k: v for k, v in vars(record).items() if k not in self._STANDARD and not k.startswith("_")})
-        if record.exc_info:
-            out["exception"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str)
-
-
-def setup_logging(log_format: str = "text", level: int = logging.INFO) -> None:
-    """Root logging for a service process: "text" (human) or "json" (one object per line), both
-    with the call's ids (session_id, request_id, method) where a call is being served."""
-    if log_format not in LOG_FORMATS:
-        raise ValueError(f"log_format must be one of {LOG_FORMATS}, got {log_format!r}")
-    handler = logging.StreamHandler()
-    handler.addFilter(_ContextFilter())
-    if log_format == "json":
-        handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(level=level, handlers=[handler], force=True)
-
-
-def _field_type(cls: type, field: dataclasses.Field) -> type:
-    hint = typing.get_type_hints(cls)[field.name]
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:  # X | None -> X
-        hint = next(a for a in typing.get_args(hint) if a is not type(None))
-    return hint
-
-
-def _parse(kind: type, text: str, name: str) -> Any:
-    try:
-        if kind is bool:
-            if text.lower() not in ("1", "0", "true", "false", "yes", "no"):
-                raise ValueError(text)
-            return text.lower() in ("1", "true", "yes")
-        return kind(text)
-    except ValueError:
-        raise ValueError(f"{name}: cannot read {text!r} as {kind.__name__}") from None
 
 
 def run_service(
@@ -128,24 +60,6 @@ def run_service(
     except refusals as e:
         logging.getLogger(service).error("%s cannot start: %s", service, e)
         raise SystemExit(f"{service}: cannot start: {e}") from None
-
-
-def load_config(cls: type[T], service: str, argv: Sequence[str] | None = None, env=os.environ) -> T:
-    """An instance of the frozen dataclass `cls`: defaults < RSD_<SERVICE>_<FIELD> env < --field flags."""
-    values: dict[str, Any] = {}
-    parser = argparse.ArgumentParser(prog=f"rsd-{service}", description=(cls.__doc__ or "").split("\n")[0])
-    for field in dataclasses.fields(cls):
-        kind, env_name = _field_type(cls, field), f"RSD_{service.upper()}_{field.name.upper()}"
-        if env_name in env:
-            values[field.name] = _parse(kind, env[env_name], env_name)
-        flag = "--" + field.name.replace("_", "-")
-        parser.add_argument(flag, dest=field.name, default=None, help=f"env {env_name}")
-    args = parser.parse_args(list(argv) if argv is not None else [])
-    for field in dataclasses.fields(cls):
-        text = getattr(args, field.name)
-        if text is not None:
-            values[field.name] = _parse(_field_type(cls, field), text, "--" + field.name.replace("_", "-"))
-    return cls(**values)
 
 
 async def start_server(

@@ -10,6 +10,7 @@ import io
 import json
 import logging
 import socket
+import time
 import urllib.request
 
 import grpc
@@ -23,8 +24,8 @@ from gateway.server import create_server as create_gateway
 from gateway.store import MemorySessionStore
 from rsd_runtime.models import load_model, load_tokenizer
 from rsd_service.client import RsdClient
+from rsd_service.logs import ContextFilter, JsonFormatter, log_context
 from rsd_service.security import ClientSecurity
-from rsd_service.serving import JsonFormatter, _ContextFilter, log_context
 from rsd_tools.tiny import build_tiny_pair
 from tests.test_gateway import PROMPT, LoopThread, greedy, status_of
 from verifier_service.config import VerifierConfig
@@ -83,6 +84,18 @@ def cluster(tmp_path_factory):
     loop.close()
 
 
+def settled(check, timeout_s: float = 30.0) -> None:
+    """Run `check` until it passes (the last failure is raised after timeout_s)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return check()
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
 def test_every_service_exports_its_metrics(cluster):
     address, ports, servers = cluster
     assert [handle.metrics.port for _, _, handle in servers] == [ports["verifier"], ports["drafter"], ports["gateway"]]
@@ -93,39 +106,42 @@ def test_every_service_exports_its_metrics(cluster):
     assert gen.finished.num_new_tokens == 16
     steps = len(gen.steps)
 
-    g = scrape(ports["gateway"])
-    assert total(g, "rsd_gateway_requests_total", method="Generate", code="OK") == 1
-    assert total(g, "rsd_gateway_requests_total", method="GetSession", code="UNAUTHENTICATED") == 1
-    assert total(g, "rsd_gateway_generated_tokens_total", method="rsd_s") == 16
-    assert total(g, "rsd_gateway_time_to_first_token_seconds_count", method="rsd_s") == 1
-    assert total(g, "rsd_gateway_token_latency_seconds_count", method="rsd_s") == len(gen.steps) - 1
-    assert total(g, "rsd_gateway_tokens_per_step_count", method="rsd_s") == steps
-    assert total(g, "rsd_gateway_tokens_per_step_sum", method="rsd_s") == 16
-    drafted = total(g, "rsd_gateway_draft_tokens_total", method="rsd_s")
-    assert drafted == sum(s.num_draft_tokens for s in gen.steps) > 0
-    assert total(g, "rsd_gateway_accepted_tokens_total", method="rsd_s") == sum(
-        s.num_accepted_tokens for s in gen.steps
-    )
-    assert total(g, "rsd_gateway_running_turns") == 0 and total(g, "rsd_gateway_open_streams") == 0
+    def check() -> None:
+        g = scrape(ports["gateway"])
+        assert total(g, "rsd_gateway_requests_total", method="Generate", code="OK") == 1
+        assert total(g, "rsd_gateway_requests_total", method="GetSession", code="UNAUTHENTICATED") == 1
+        assert total(g, "rsd_gateway_generated_tokens_total", method="rsd_s") == 16
+        assert total(g, "rsd_gateway_time_to_first_token_seconds_count", method="rsd_s") == 1
+        assert total(g, "rsd_gateway_token_latency_seconds_count", method="rsd_s") == len(gen.steps) - 1
+        assert total(g, "rsd_gateway_tokens_per_step_count", method="rsd_s") == steps
+        assert total(g, "rsd_gateway_tokens_per_step_sum", method="rsd_s") == 16
+        drafted = total(g, "rsd_gateway_draft_tokens_total", method="rsd_s")
+        assert drafted == sum(s.num_draft_tokens for s in gen.steps) > 0
+        assert total(g, "rsd_gateway_accepted_tokens_total", method="rsd_s") == sum(
+            s.num_accepted_tokens for s in gen.steps
+        )
+        assert total(g, "rsd_gateway_running_turns") == 0 and total(g, "rsd_gateway_open_streams") == 0
 
-    v = scrape(ports["verifier"])
-    assert total(v, "rsd_verifier_requests_total", method="Attach", code="OK") == 1
-    assert total(v, "rsd_verifier_requests_total", method="Verify") == 1
-    assert total(v, "rsd_verifier_forward_seconds_count") == steps  # one session: one forward per step
-    assert total(v, "rsd_verifier_batch_trees_sum") == steps and total(v, "rsd_verifier_tree_nodes_count") == steps
-    assert total(v, "rsd_verifier_batch_nodes_sum") >= steps * 7  # a 2x3 tree has 7 nodes
-    assert total(v, "rsd_verifier_sessions") == 1 and total(v, "rsd_verifier_queue_depth") == 0
+        v = scrape(ports["verifier"])
+        assert total(v, "rsd_verifier_requests_total", method="Attach", code="OK") == 1
+        assert total(v, "rsd_verifier_requests_total", method="Verify") == 1
+        assert total(v, "rsd_verifier_forward_seconds_count") == steps  # one session: one forward per step
+        assert total(v, "rsd_verifier_batch_trees_sum") == steps and total(v, "rsd_verifier_tree_nodes_count") == steps
+        assert total(v, "rsd_verifier_batch_nodes_sum") >= steps * 7  # a 2x3 tree has 7 nodes
+        assert total(v, "rsd_verifier_sessions") == 1 and total(v, "rsd_verifier_queue_depth") == 0
 
-    d = scrape(ports["drafter"])
-    assert total(d, "rsd_drafter_requests_total", method="Run", code="OK") == 1
-    assert total(d, "rsd_drafter_draft_seconds_count") == steps and total(d, "rsd_drafter_draft_seconds_sum") > 0
-    assert total(d, "rsd_drafter_running") == 0
-    # pre-drafting (on by default; how much it does depends on timing): the gateway's step stats and
-    # the drafter's counters agree
-    assert total(d, "rsd_drafter_predraft_hits_total") == sum(s.predraft_hit for s in gen.steps)
-    misses = sum(s.num_predrafted_trees > 0 and not s.predraft_hit for s in gen.steps)
-    assert total(d, "rsd_drafter_predraft_misses_total") == misses
-    assert total(d, "rsd_drafter_wasted_draft_forwards_total") == sum(s.wasted_draft_forwards for s in gen.steps)
+        d = scrape(ports["drafter"])
+        assert total(d, "rsd_drafter_requests_total", method="Run", code="OK") == 1
+        assert total(d, "rsd_drafter_draft_seconds_count") == steps and total(d, "rsd_drafter_draft_seconds_sum") > 0
+        assert total(d, "rsd_drafter_running") == 0
+        # pre-drafting (on by default; how much it does depends on timing): the gateway's step stats and
+        # the drafter's counters agree
+        assert total(d, "rsd_drafter_predraft_hits_total") == sum(s.predraft_hit for s in gen.steps)
+        misses = sum(s.num_predrafted_trees > 0 and not s.predraft_hit for s in gen.steps)
+        assert total(d, "rsd_drafter_predraft_misses_total") == misses
+        assert total(d, "rsd_drafter_wasted_draft_forwards_total") == sum(s.wasted_draft_forwards for s in gen.steps)
+
+    settled(check)  # a call's counters are recorded as it closes, which may be just after the client saw its end
 
 
 def test_two_servers_in_one_process_keep_their_own_counts(cluster):
@@ -136,7 +152,7 @@ def test_two_servers_in_one_process_keep_their_own_counts(cluster):
 def test_json_logs_carry_the_call_ids():
     out = io.StringIO()
     handler = logging.StreamHandler(out)
-    handler.addFilter(_ContextFilter())
+    handler.addFilter(ContextFilter())
     handler.setFormatter(JsonFormatter())
     logger = logging.getLogger("rsd.test.json")
     logger.addHandler(handler)

@@ -1,0 +1,164 @@
+"""The house keeps its shape: arrows point down, services stay apart, no cycles, privates stay home.
+
+    rsd (algorithm, torch only)
+      └─ rsd_wire (protos <-> algorithm types; the only reader of the generated rsd_proto)
+           ├─ rsd_runtime (model runtime: torch + transformers, no grpc)
+           └─ rsd_service (service kit: grpc, no torch at import)
+                └─ gateway | drafter_service | verifier_service   (none imports another)
+                     └─ deploy | rsd_tools | rsd_api              (on top; none imports another)
+
+Read from the source (ast), so a lazy import inside a function counts as an arrow too. `if TYPE_CHECKING:`
+imports are annotations, not arrows, and are skipped.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+from collections.abc import Iterator
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# package -> level; a module may import its own package and packages of a lower level only.
+LEVELS = {
+    "rsd": 0,
+    "rsd_proto": 0,
+    "rsd_wire": 1,
+    "rsd_runtime": 2,
+    "rsd_service": 2,
+    "gateway": 3,
+    "drafter_service": 3,
+    "verifier_service": 3,
+    "deploy": 4,
+    "rsd_tools": 4,
+    "rsd_api": 4,
+}
+# Third-party packages a layer must not import (at module level for the service kit: core pinning sets
+# torch's thread count lazily, after the affinity is applied).
+FORBIDDEN = {
+    "rsd": {"grpc", "redis", "ray", "asyncio", "transformers", "os"},
+    "rsd_runtime": {"grpc", "redis", "ray"},
+    "rsd_service": {"torch", "transformers"},
+}
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for package in LEVELS:
+        if package == "rsd_proto":  # generated, git-ignored
+            continue
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    return isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+
+
+def _imports(tree: ast.AST, module: str, top_only: bool = False) -> Iterator[tuple[str, list[str], int]]:
+    """(imported module, imported names, line) for each import."""
+    stack: list[ast.AST] = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            continue
+        if top_only and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, [], node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            assert not node.level, f"{module}:{node.lineno}: relative import (the house uses absolute ones)"
+            yield node.module or "", [a.name for a in node.names], node.lineno
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def _parsed(module: str) -> ast.AST:
+    return ast.parse(MODULES[module].read_text(), str(MODULES[module]))
+
+
+def test_the_layers_are_all_found():
+    packages = {m.split(".")[0] for m in MODULES}
+    assert packages >= {"rsd", "rsd_wire", "rsd_runtime", "rsd_service", "gateway", "drafter_service"}
+    assert packages >= {"verifier_service", "deploy", "rsd_tools", "rsd_api"}
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_arrows_point_down(module):
+    package, level = module.split(".")[0], LEVELS[module.split(".")[0]]
+    for imported, _, line in _imports(_parsed(module), module):
+        top = imported.split(".")[0]
+        if top == package or top not in LEVELS:
+            continue
+        where = f"{MODULES[module].relative_to(ROOT)}:{line} imports {imported}"
+        assert LEVELS[top] < level, f"{where}: {top} is not below {package}"
+        if top == "rsd_proto":
+            assert package == "rsd_wire", f"{where}: only rsd_wire reads the generated code"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.split(".")[0] in FORBIDDEN))
+def test_layers_keep_their_dependencies(module):
+    package = module.split(".")[0]
+    top_only = package == "rsd_service"
+    for imported, _, line in _imports(_parsed(module), module, top_only=top_only):
+        assert imported.split(".")[0] not in FORBIDDEN[package], (
+            f"{MODULES[module].relative_to(ROOT)}:{line} imports {imported} ({package} must not)"
+        )
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_private_names_stay_in_their_module(module):
+    for imported, names, line in _imports(_parsed(module), module):
+        if imported.split(".")[0] not in LEVELS:
+            continue
+        private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+        assert not private, f"{MODULES[module].relative_to(ROOT)}:{line} imports {private} from {imported}"
+
+
+def test_no_import_cycles():
+    """Module-level imports between our modules form no cycle (a cycle makes import order matter)."""
+    graph: dict[str, set[str]] = {}
+    for module in MODULES:
+        deps = set()
+        for imported, names, _ in _imports(_parsed(module), module, top_only=True):
+            for candidate in [imported, *(f"{imported}.{n}" for n in names)]:
+                if candidate in MODULES and candidate != module:
+                    deps.add(candidate)
+        graph[module] = deps
+    # A package's __init__ importing its own submodules is how re-exports work, not a cycle.
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                cycle = [*path[path.index(dep) :], dep] if dep in path else [node, dep]
+                if not all(m == cycle[0] or m.startswith(cycle[0] + ".") for m in cycle):
+                    raise AssertionError(f"import cycle: {' -> '.join(cycle)}")
+            elif dep not in state:
+                visit(dep, [*path, dep])
+        state[node] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+
+
+def test_no_module_is_too_long_and_no_package_too_big():
+    """No non-test module over ~450 lines; no package over a third of the code."""
+    lines = {m: len(p.read_text().splitlines()) for m, p in MODULES.items()}
+    long = {m: n for m, n in lines.items() if n > 460}
+    assert not long, f"modules over 460 lines: {long}"
+    total = sum(lines.values())
+    by_package: dict[str, int] = {}
+    for m, n in lines.items():
+        by_package[m.split(".")[0]] = by_package.get(m.split(".")[0], 0) + n
+    big = {p: f"{n / total:.0%}" for p, n in by_package.items() if n > total / 3}
+    assert not big, f"packages over a third of {total} lines: {big}"
