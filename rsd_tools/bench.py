@@ -953,8 +953,8 @@ def main(argv: list[str] | None = None) -> int:
         set_small_batch_rows,
         use_small_batch_linear,
     )
-    from rsd_service.placement import apply_placement
     from rsd_runtime.runner import ModelRunner
+    from rsd_service.placement import apply_placement
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
