@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rsd_tools.bench_services_report import MISSING, SPLIT_DEFINITIONS, render_md
-from rsd_tools.defaults import CODE_PROMPT, DEFAULT_METHOD, DEFAULT_SHAPES, TEMPERATURES
+from rsd_tools.defaults import CODE_PROMPT, DEFAULT_METHOD, DEFAULT_SHAPES, RESULTS_DIR, TEMPERATURES
 from rsd_tools.gateway_runs import Run, concurrent_runs, est_ratio, gateway_run, step_split
 from rsd_tools.launcher import (
     Cluster,
@@ -54,8 +54,6 @@ from rsd_tools.launcher import (
     wait_all_ready,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
 CODE_PROMPTS = [
     CODE_PROMPT,
     "def is_prime(n: int) -> bool:\n    ",
@@ -201,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--start-timeout-s", type=float, default=600.0)
     ap.add_argument("--request-timeout-s", type=float, default=3600.0)
     ap.add_argument("--name", default="services-cpu")
-    ap.add_argument("--out-dir", default=str(RESULTS))
+    ap.add_argument("--out-dir", default=str(RESULTS_DIR))
     ap.add_argument("--run-dir", default=None, help="service logs (default: a temporary folder)")
     return ap
 
