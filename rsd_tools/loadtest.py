@@ -29,6 +29,7 @@ from pathlib import Path
 import grpc
 
 from rsd_service.client import RsdClient
+from rsd_tools.defaults import DEFAULT_METHOD
 
 
 @dataclass
@@ -279,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--pid", action="append", default=[], help="name=pid of a process to track (with --gateway)")
     ap.add_argument("--in-process", action="store_true", help="all servers in this process (seconds; tests)")
     ap.add_argument("--real", action="store_true", help="the cluster on the real model pair, not the tiny one")
-    ap.add_argument("--method", default="rsd_s")
+    ap.add_argument("--method", default=DEFAULT_METHOD)
     ap.add_argument("--shape", default="3x3")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--max-new-tokens", type=int, default=32)
