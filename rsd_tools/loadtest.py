@@ -233,10 +233,10 @@ class InProcess:
     def __init__(self, cache_dir: str | None):
         import tempfile
 
-        from rsd_tools.tiny import build_tiny_pair
+        from rsd_tools.launcher import model_dirs
 
         self._tmp = None if cache_dir else tempfile.TemporaryDirectory(prefix="rsd-load-")
-        self.dirs = build_tiny_pair(Path(cache_dir or self._tmp.name) / "tiny", "qwen2")
+        self.dirs = model_dirs(None, None, cache_dir or self._tmp.name, tiny=True)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
