@@ -82,7 +82,7 @@ class Services:
         """Stop the verifier and start it again on the same port (the gateway's static list holds it)."""
         old = next(p for p in self.cluster.processes if p.name.startswith("verifier"))
         cmd = [*self.verifier_cmd, "--batching", "true" if batching else "false"]
-        wait_all_ready([self.cluster.replace(old, _verifier_name(batching), cmd)], start_timeout_s)
+        wait_all_ready([self.cluster.restart_with(old, _verifier_name(batching), cmd)], start_timeout_s)
 
 
 def start_services(

@@ -266,7 +266,7 @@ class Cluster:
         process.proc = _popen(list(process.proc.args), process.env, process.log_path, self.run_dir)
         process.restarts += 1
 
-    def replace(self, process: Process, name: str, cmd: list[str], timeout_s: float = 30.0) -> Process:
+    def restart_with(self, process: Process, name: str, cmd: list[str], timeout_s: float = 30.0) -> Process:
         """Stop `process` (SIGTERM, waiting up to timeout_s) and start `cmd` in its place as `name`, on the
         same address (cmd must name the same port), with a log of its own. Wait for it with wait_all_ready."""
         process.proc.terminate()
