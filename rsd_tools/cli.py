@@ -20,14 +20,15 @@ from pathlib import Path
 
 from rsd_runtime import DTYPE_NAMES, QUANTIZE_MODES
 from rsd_service.placement import add_placement_flags
+from rsd_tools.defaults import CODE_PROMPT, DEFAULT_METHOD, DEFAULT_SHAPES
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here reaches a model hub
 
 
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate text in-process with a drafter and a target model")
-    p.add_argument("--prompt", default="# Return the n-th Fibonacci number\ndef fibonacci(n):")
-    p.add_argument("--method", default="rsd_s", choices=["ar", "sd", "specinfer", "spectr", "rsd_c", "rsd_s"])
+    p.add_argument("--prompt", default=CODE_PROMPT)
+    p.add_argument("--method", default=DEFAULT_METHOD, choices=["ar", *DEFAULT_SHAPES])
     p.add_argument("--shape", default=None, help="tree shape: sd '4'; specinfer/rsd_c '2,2,2'; spectr/rsd_s '3x4'")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -94,22 +95,6 @@ def _add_generate(sub) -> None:
     p.add_argument("--tls-key", default="", help="with --server: the client certificate's key (PEM)")
 
 
-def _model_dirs(args) -> tuple[Path, Path]:
-    if args.draft and args.target:
-        return Path(args.draft), Path(args.target)
-    if args.draft or args.target:
-        raise SystemExit("give both --draft and --target, or neither")
-    if args.tiny:
-        from rsd_tools.provision import default_cache_dir
-        from rsd_tools.tiny import build_tiny_pair
-
-        return build_tiny_pair((args.cache_dir or default_cache_dir()) / "tiny", "qwen2")
-    from rsd_tools.provision import provision_pair
-
-    paths = provision_pair(args.cache_dir)
-    return paths["draft"], paths["target"]
-
-
 def generate_remote(args) -> int:
     """Stream a generation from a gateway; stats to stderr."""
     import time
@@ -161,7 +146,7 @@ def generate(args) -> int:
     import torch
     from transformers.utils import logging as hf_logging
 
-    from rsd.methods import DEFAULT_SHAPES, Method
+    from rsd.methods import Method
     from rsd.sampling import SamplingParams
     from rsd_runtime.attention import UnsupportedModelError
     from rsd_runtime.generator import SpeculativeGenerator
@@ -169,6 +154,7 @@ def generate(args) -> int:
     from rsd_runtime.predraft import PipelinedGenerator
     from rsd_runtime.runner import ModelRunner
     from rsd_service.placement import apply_placement
+    from rsd_tools.launcher import model_dirs
 
     hf_logging.disable_progress_bar()
     try:
@@ -181,7 +167,7 @@ def generate(args) -> int:
         method = None if args.method == "ar" else Method.parse(args.method, args.shape or DEFAULT_SHAPES[args.method])
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    draft_dir, target_dir = _model_dirs(args)
+    draft_dir, target_dir = model_dirs(args.draft, args.target, args.cache_dir, args.tiny)
     print(f"loading target {target_dir} ({args.target_device}, {args.target_dtype})", file=sys.stderr)
     tokenizer = load_tokenizer(target_dir)
 

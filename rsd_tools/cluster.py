@@ -6,7 +6,8 @@
     rsd cluster --tiny --secure              # tokens + TLS/mTLS on every hop, throwaway certificates
     python scripts/cluster.py --tiny --prompt "w2 w10 w11"
 
-Processes, each `python -m <service>` with its log in the run directory (<name>.log):
+Processes (started by rsd_tools.launcher), each `python -m <service>` with its log in the run directory
+(<name>.log):
     redis          redis-server on a free port, no persistence   (only when `redis-server` is on PATH)
     verifier-<i>   the target model     (--verifiers N, default 1; --verifier-id verifier-<i>)
     drafter-<i>    the draft model      (--drafters M, default 1; --drafter-id drafter-<i>)
@@ -30,130 +31,40 @@ Stop: SIGTERM in reverse start order, then SIGKILL after --stop-timeout-s.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import os
 import secrets
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-
-import redis
 
 from rsd_runtime import DTYPE_NAMES, QUANTIZE_MODES
 from rsd_service.placement import parse_cores
-from rsd_service.security import ClientSecurity, read_secret
-from rsd_service.serving import wait_healthy
+from rsd_service.security import ClientSecurity
+from rsd_tools.defaults import CODE_PROMPT, DEFAULT_METHOD
+from rsd_tools.launcher import (
+    Cluster,
+    ClusterSecurity,
+    Process,
+    drafter_command,
+    free_port,
+    gateway_command,
+    model_dirs,
+    service_env,
+    verifier_command,
+    wait_all_ready,
+)
 
 TINY_PROMPT = "w2 w10 w11 w12 w13"
-CODE_PROMPT = "# Return the n-th Fibonacci number\ndef fibonacci(n):"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------------------------
 # Security
-
-
-@dataclass(frozen=True)
-class ClusterSecurity:
-    """What the launched cluster demands, as absolute file paths ("" = off): every service's server
-    certificate (TLS) and the CA that signed it, a client certificate for the internal hops (mTLS),
-    client certificates on the public API too (public_mtls), the public and the internal token."""
-
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_ca: str = ""
-    client_cert: str = ""
-    client_key: str = ""
-    public_mtls: bool = False
-    auth_token_file: str = ""
-    internal_token_file: str = ""
-
-    def __post_init__(self) -> None:
-        tls, client = bool(self.tls_cert), bool(self.client_cert)
-        problems = [
-            (tls != bool(self.tls_key), "--tls-cert and --tls-key go together"),
-            (tls != bool(self.tls_ca), "--tls-cert needs --tls-ca, the CA that signed it, and the other way round"),
-            (client != bool(self.client_key), "--tls-client-cert and --tls-client-key go together"),
-            (client and not tls, "--tls-client-cert needs --tls-cert (mTLS is TLS first)"),
-            (self.public_mtls and not client, "--public-mtls needs --tls-client-cert (the launcher presents it)"),
-        ]
-        for found, problem in problems:
-            if found:
-                raise ValueError(problem)
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.tls_cert or self.auth_token_file or self.internal_token_file)
-
-    def summary(self) -> str:
-        """What is on, e.g. "public token, internal token, TLS, mTLS between services"."""
-        on = {
-            "public token": self.auth_token_file,
-            "internal token": self.internal_token_file,
-            "TLS": self.tls_cert,
-            "mTLS between services": self.client_cert,
-            "mTLS on the public API": self.public_mtls,
-        }
-        return ", ".join(name for name, value in on.items() if value)
-
-    def service_flags(self, role: str) -> list[str]:
-        """The security flags of a "verifier", "drafter" or "gateway"."""
-        flags: list[str] = []
-        if self.tls_cert:
-            flags += ["--tls-cert", self.tls_cert, "--tls-key", self.tls_key]
-            if self.public_mtls if role == "gateway" else bool(self.client_cert):
-                flags += ["--tls-ca", self.tls_ca]  # require client certificates that CA signed
-        if role != "verifier" and self.tls_cert:  # the dialers: drafter -> verifier, gateway -> both
-            flags += ["--peer-tls-ca", self.tls_ca]
-            if self.client_cert:
-                flags += ["--peer-tls-cert", self.client_cert, "--peer-tls-key", self.client_key]
-        if self.internal_token_file:
-            flags += ["--internal-token-file", self.internal_token_file]
-        if role == "gateway" and self.auth_token_file:
-            flags += ["--auth-token-file", self.auth_token_file]
-        return flags
-
-    def probe(self, role: str) -> ClientSecurity | None:
-        """How the launcher reaches a service's health check (TLS, and a client certificate under mTLS)."""
-        if not self.tls_cert:
-            return None
-        mtls = self.public_mtls if role == "gateway" else bool(self.client_cert)
-        return ClientSecurity(self.tls_ca, *((self.client_cert, self.client_key) if mtls else ("", "")))
-
-    def client(self) -> ClientSecurity:
-        """How a client of the public API connects."""
-        probe = self.probe("gateway") or ClientSecurity()
-        token = read_secret("", self.auth_token_file, "auth_token")
-        return replace(probe, token=token)
-
-    def how_to_connect(self, address: str) -> list[str]:
-        flags = f" --tls-ca {self.tls_ca}" if self.tls_cert else ""
-        if self.public_mtls:
-            flags += f" --tls-cert {self.client_cert} --tls-key {self.client_key}"
-        if self.auth_token_file:
-            flags += f" --token-file {self.auth_token_file}"
-        kwargs = [f"tls_ca={self.tls_ca!r}"] if self.tls_cert else []
-        if self.public_mtls:
-            kwargs += [f"tls_cert={self.client_cert!r}", f"tls_key={self.client_key!r}"]
-        if self.auth_token_file:
-            kwargs += [f"token=open({self.auth_token_file!r}).read().strip()"]
-        return [
-            f"  rsd generate --server {address}{flags} --prompt '...'",
-            f"  RsdClient({address!r}, security=ClientSecurity({', '.join(kwargs)}))",
-        ]
 
 
 def _new_token(path: Path) -> str:
@@ -191,131 +102,7 @@ def cluster_security(args: argparse.Namespace, run_dir: Path) -> ClusterSecurity
 
 
 # ---------------------------------------------------------------------------------------------
-# Processes
-
-
-@dataclass
-class Process:
-    name: str
-    proc: subprocess.Popen
-    log_path: Path
-    address: str = ""  # host:port of a gRPC service (redis: its host:port)
-    env: dict[str, str] = field(default_factory=dict, repr=False)  # to restart it as it was started
-    probe: ClientSecurity | None = None  # how the launcher reaches its health check
-    restarts: int = 0
-
-    def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-
-def _popen(cmd: list[str], env: dict[str, str], log_path: Path, cwd: Path) -> subprocess.Popen:
-    with log_path.open("ab") as log_file:
-        return subprocess.Popen(
-            cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
-        )
-
-
-@dataclass
-class Cluster:
-    run_dir: Path
-    processes: list[Process] = field(default_factory=list)
-    redis_url: str = ""
-    gateway_address: str = ""  # the first gateway's
-    http_url: str = ""  # the first gateway's OpenAI-compatible API, http(s)://host:port/v1
-    security: ClusterSecurity = field(default_factory=ClusterSecurity)
-
-    def spawn(self, name: str, cmd: list[str], env: dict[str, str], address: str = "") -> Process:
-        log_path = self.run_dir / f"{name}.log"
-        log_path.unlink(missing_ok=True)
-        process = Process(name, _popen(cmd, env, log_path, self.run_dir), log_path, address, env)
-        self.processes.append(process)
-        return process
-
-    def restart(self, process: Process) -> None:
-        """Start a dead process again: the same command (so the same port) and env, its log continued."""
-        with process.log_path.open("ab") as log_file:
-            log_file.write(f"\n[cluster] restart {process.restarts + 1}\n".encode())
-        process.proc = _popen(list(process.proc.args), process.env, process.log_path, self.run_dir)
-        process.restarts += 1
-
-    def client_security(self) -> ClientSecurity:
-        """How a client connects to the gateways."""
-        return self.security.client()
-
-    def describe(self) -> list[str]:
-        """One line per process: name, address, pid."""
-        width = max((len(p.name) for p in self.processes), default=0)
-        lines = []
-        for p in self.processes:
-            address = self.redis_url if p.name == "redis" else p.address
-            lines.append(f"  {p.name:<{width}}  {address:<28}  pid {p.proc.pid}")
-        return lines
-
-    def stop(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM in reverse start order (gateways first), wait, SIGKILL what is left."""
-        for process in reversed(self.processes):
-            if process.proc.poll() is None:
-                process.proc.send_signal(signal.SIGTERM)
-                try:
-                    process.proc.wait(timeout_s)
-                except subprocess.TimeoutExpired:
-                    print(f"[cluster] {process.name} ignored SIGTERM; killing it", file=sys.stderr)
-                    process.proc.kill()
-                    process.proc.wait()
-        self.processes.clear()
-
-
-def _redis_pings(url: str) -> bool:
-    client = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=0.5)
-    try:
-        return bool(client.ping())
-    except redis.RedisError:
-        return False
-    finally:
-        client.close()
-
-
-def _wait_redis(process: Process, url: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not _redis_pings(url):
-        if time.monotonic() > deadline or process.proc.poll() is not None:
-            raise RuntimeError(f"redis-server did not start:\n{process.log_tail()}")
-        time.sleep(0.05)
-
-
-async def _wait_ready(process: Process, timeout_s: float) -> None:
-    """Health SERVING, failing early (with its log) if the process exits."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if process.proc.poll() is not None:
-            raise RuntimeError(f"{process.name} exited with {process.proc.returncode}:\n{process.log_tail()}")
-        try:
-            await wait_healthy(process.address, timeout_s=1.0, security=process.probe)
-            return
-        except TimeoutError:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{process.name} not healthy after {timeout_s} s:\n{process.log_tail()}") from None
-
-
-def model_dirs(args: argparse.Namespace) -> tuple[Path, Path]:
-    if args.draft and args.target:
-        return Path(args.draft), Path(args.target)
-    if args.draft or args.target:
-        raise SystemExit("give both --draft and --target, or neither")
-    from rsd_tools.provision import default_cache_dir
-
-    cache = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
-    if args.tiny:
-        from rsd_tools.tiny import build_tiny_pair
-
-        return build_tiny_pair(cache / "tiny", "qwen2")
-    from rsd_tools.provision import provision_pair
-
-    paths = provision_pair(cache)
-    return paths["draft"], paths["target"]
+# Start
 
 
 def start_cluster(args: argparse.Namespace) -> Cluster:
@@ -329,10 +116,8 @@ def start_cluster(args: argparse.Namespace) -> Cluster:
     if args.gateways > 1 and not redis_server:
         raise ValueError("--gateways above 1 needs redis-server on PATH (gateways share sessions through Redis)")
     cluster = Cluster(run_dir, security=cluster_security(args, run_dir))
-    draft_dir, target_dir = model_dirs(args)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    repo_root = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo_root, env.get("PYTHONPATH", "")]))
+    draft_dir, target_dir = model_dirs(args.draft, args.target, args.cache_dir, args.tiny)
+    env = service_env()
     model_flags = ["--threads", str(args.threads)] if args.threads else []
     model_flags += ["--dtype", args.dtype]
     verifier_flags = ["--cores", args.verifier_cores] if args.verifier_cores else []
@@ -341,63 +126,39 @@ def start_cluster(args: argparse.Namespace) -> Cluster:
     drafter_flags += [] if predraft_on(args) else ["--predraft", "false"]  # the drafter's default is on
     sec = cluster.security
 
-    def service(role: str, index: int, module: str, flags: list[str]) -> Process:
-        """role-index on a free port; verifiers and drafters register under that name (--verifier-id ...)."""
-        port = free_port()
-        if role != "gateway":
-            flags = [*flags, f"--{role}-id", f"{role}-{index}"]
-        cmd = [sys.executable, "-m", module, "--port", str(port), *flags, *sec.service_flags(role)]
-        process = cluster.spawn(f"{role}-{index}", cmd, env, f"127.0.0.1:{port}")
+    def spawn(role: str, index: int, port: int, cmd: list[str]) -> Process:
+        """role-index on `port`; verifiers and drafters register under that name (--verifier-id ...)."""
+        process = cluster.spawn(f"{role}-{index}", [*cmd, *sec.service_flags(role)], env, f"127.0.0.1:{port}")
         process.probe = sec.probe(role)
         return process
 
     try:
         registry: list[str] = []
         if redis_server:
-            port = free_port()
-            cmd = [redis_server, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(run_dir)]
-            cmd += ["--save", "", "--appendonly", "no", "--daemonize", "no"]
-            cluster.redis_url = f"redis://127.0.0.1:{port}/0"
-            _wait_redis(cluster.spawn("redis", cmd, env, f"127.0.0.1:{port}"), cluster.redis_url)
+            cluster.start_redis(redis_server, env)
             registry = ["--redis-url", cluster.redis_url]
-        verifiers = [
-            service(
-                "verifier",
-                i,
-                "verifier_service",
-                ["--model", str(target_dir), *registry, *model_flags, *verifier_flags],
-            )
-            for i in range(args.verifiers)
-        ]
-        drafters = [
-            service(
-                "drafter", i, "drafter_service", ["--model", str(draft_dir), *registry, *model_flags, *drafter_flags]
-            )
-            for i in range(args.drafters)
-        ]
+        verifiers = []
+        for i, port in enumerate(free_port() for _ in range(args.verifiers)):
+            flags = [*registry, *model_flags, *verifier_flags]
+            verifiers.append(spawn("verifier", i, port, verifier_command(port, target_dir, f"verifier-{i}", *flags)))
+        drafters = []
+        for i, port in enumerate(free_port() for _ in range(args.drafters)):
+            flags = [*registry, *model_flags, *drafter_flags]
+            drafters.append(spawn("drafter", i, port, drafter_command(port, draft_dir, f"drafter-{i}", *flags)))
         static = [] if registry else ["--drafters", ",".join(f"{p.name}={p.address}" for p in drafters)]
         static += [] if registry else ["--verifiers", ",".join(f"{p.name}={p.address}" for p in verifiers)]
         http_ports = [free_port() for _ in range(args.gateways)]
         http = ["--served-model-name", "rsd-tiny" if args.tiny else target_dir.name]
-        gateways = [
-            service(
-                "gateway",
-                i,
-                "gateway",
-                ["--tokenizer", str(target_dir), *registry, *static, *http, "--http-port", str(http_ports[i])]
-                + (["--gateway-id", f"gateway-{i}"] if args.gateways > 1 else []),
-            )
-            for i in range(args.gateways)
-        ]
+        gateways = []
+        for i, http_port in enumerate(http_ports):
+            port = free_port()
+            flags = [*registry, *static, *http, "--http-port", str(http_port)]
+            flags += ["--gateway-id", f"gateway-{i}"] if args.gateways > 1 else []
+            gateways.append(spawn("gateway", i, port, gateway_command(port, target_dir, *flags)))
         cluster.gateway_address = gateways[0].address
         scheme = "https" if sec.tls_cert else "http"
         cluster.http_url = f"{scheme}://127.0.0.1:{http_ports[0]}/v1"
-
-        async def all_ready() -> None:
-            services = [*verifiers, *drafters, *gateways]
-            await asyncio.gather(*(_wait_ready(p, args.start_timeout_s) for p in services))
-
-        asyncio.run(all_ready())
+        wait_all_ready([*verifiers, *drafters, *gateways], args.start_timeout_s)
     except BaseException:
         cluster.stop(args.stop_timeout_s)
         raise
@@ -468,7 +229,7 @@ def keep_running(cluster: Cluster, max_restarts: int, should_stop: Callable[[], 
             if p.name in down or (code is None and p.name not in starting):
                 continue
             if code is None:
-                if _is_up(cluster, p):
+                if cluster.is_up(p):
                     starting.discard(p.name)
                     where = cluster.redis_url if p.name == "redis" else p.address
                     restarts = f"restart {p.restarts} of {max_restarts}"
@@ -488,17 +249,6 @@ def keep_running(cluster: Cluster, max_restarts: int, should_stop: Callable[[], 
             print("[cluster] every process is down", file=sys.stderr)
             return 1
     return 0
-
-
-def _is_up(cluster: Cluster, process: Process) -> bool:
-    """One quick probe: Redis answers PING, a service's health is SERVING."""
-    if process.name == "redis":
-        return _redis_pings(cluster.redis_url)
-    try:
-        asyncio.run(wait_healthy(process.address, timeout_s=0.2, security=process.probe))
-    except TimeoutError:
-        return False
-    return True
 
 
 def predraft_on(args: argparse.Namespace) -> bool:
@@ -543,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-generate", action="store_true", help="skip the demo generation")
     ap.add_argument("--no-redis", action="store_true", help="use the gateway's embedded store even if redis exists")
     ap.add_argument("--prompt", default=None)
-    ap.add_argument("--method", default="rsd_s")
+    ap.add_argument("--method", default=DEFAULT_METHOD)
     ap.add_argument("--shape", default=None)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--max-new-tokens", type=int, default=32)

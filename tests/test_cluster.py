@@ -22,7 +22,8 @@ import pytest
 from rsd_service.client import RsdClient
 from rsd_service.security import ClientSecurity, channel
 from rsd_tools import cli
-from rsd_tools.cluster import ClusterSecurity, build_parser, cluster_security, run_generation, start_cluster
+from rsd_tools.cluster import build_parser, cluster_security, run_generation, start_cluster
+from rsd_tools.launcher import ClusterSecurity
 from rsd_wire import common_pb2, verifier_pb2, verifier_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -5,7 +5,7 @@
   `python -m X` / `python -c` commands, gRPC healthchecks, ports on 127.0.0.1, GPU device ids, model paths;
 - the `ray` profile: a Ray head and the verifier pool's driver (deploy/ray_pool.py, RSD_POOL_* and
   RSD_VERIFIER_* variables) in place of the verifier;
-- the process launcher (rsd_tools/cluster.py, `rsd cluster --tiny`) starts the same topology with the
+- the process launcher (rsd_tools/launcher.py, `rsd cluster --tiny`) starts the same topology with the
   same settings as the compose `cpu` profile.
 """
 
@@ -30,6 +30,7 @@ from drafter_service.config import DrafterConfig
 from gateway.config import GatewayConfig
 from rsd_service.serving import load_config
 from rsd_tools import cluster as cluster_mod
+from rsd_tools import launcher
 from rsd_tools.provision import MODELS
 from verifier_service.config import VerifierConfig
 
@@ -342,17 +343,17 @@ def _launch(monkeypatch, tmp_path) -> list[tuple[str, list[str]]]:
 
     def spawn(self, name, cmd, env, address=""):
         spawned.append((name.removesuffix("-0"), list(cmd)))  # one of each: verifier-0 is compose's verifier
-        process = cluster_mod.Process(name, _FakePopen(), self.run_dir / f"{name}.log", address)
+        process = launcher.Process(name, _FakePopen(), self.run_dir / f"{name}.log", address)
         self.processes.append(process)
         return process
 
     async def ready(process, timeout_s):
         return None
 
-    monkeypatch.setattr(cluster_mod.Cluster, "spawn", spawn)
+    monkeypatch.setattr(launcher.Cluster, "spawn", spawn)
     monkeypatch.setattr(cluster_mod.shutil, "which", lambda name: f"/usr/bin/{name}")
-    monkeypatch.setattr(cluster_mod, "_redis_pings", lambda url: True)
-    monkeypatch.setattr(cluster_mod, "_wait_ready", ready)
+    monkeypatch.setattr(launcher, "redis_pings", lambda url: True)
+    monkeypatch.setattr(launcher, "wait_ready", ready)
     argv = ["--tiny", "--cache-dir", str(tmp_path / "models"), "--run-dir", str(tmp_path)]
     args = cluster_mod.build_parser().parse_args(argv)  # builds the tiny pair into tmp_path/models
     cluster_mod.start_cluster(args).stop()

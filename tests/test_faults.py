@@ -3,7 +3,7 @@ another gateway, or finished there by its orphan sweep), Redis killed and restar
 verifier that answers late or drops its stream.
 
 The process faults run the services as real processes (`python -m verifier_service` ..., started with
-rsd_tools.cluster's launcher pieces) on tiny Qwen2 models, with a redis-server that keeps an
+rsd_tools.launcher) on tiny Qwen2 models, with a redis-server that keeps an
 append-only file (tests/redis_server.py), so it can be killed and restarted with its data. One cluster
 serves the module: two verifiers, two drafters, two gateways; a test that needs a role it killed
 earlier starts a new process of that role.
@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -30,16 +29,23 @@ import pytest
 from gateway.engine import finish_reason_name
 from gateway.store import RedisSessionStore
 from rsd_service.client import RsdClient
-from rsd_tools.cluster import Cluster, Process, _wait_ready, free_port
+from rsd_tools.launcher import (
+    Cluster,
+    Process,
+    drafter_command,
+    free_port,
+    gateway_command,
+    service_env,
+    verifier_command,
+    wait_all_ready,
+)
 from rsd_tools.tiny import build_tiny_pair
 from rsd_wire import gateway_pb2
 from tests.redis_server import persistent_redis
 
-ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "w2 w10 w11 w12"
 LONG = {"method": "sd", "shape": "2", "temperature": 0.0, "seed": 0, "max_new_tokens": 400}
 RECOVERY: dict[str, float] = {}  # fault -> seconds from the kill to the next token at the client
-SERVICES = {"verifier": "verifier_service", "drafter": "drafter_service", "gateway": "gateway"}
 
 
 class FaultCluster:
@@ -48,7 +54,7 @@ class FaultCluster:
     def __init__(self, run_dir: Path, models: tuple[Path, Path], redis):
         self.cluster, self.redis = Cluster(run_dir), redis
         self.draft_dir, self.target_dir = models
-        self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
+        self.env = service_env()
         self.count = 0
 
     def alive(self, role: str) -> list[Process]:
@@ -62,11 +68,7 @@ class FaultCluster:
                 started.append(self._spawn(role))
         if not started:
             return
-
-        async def ready() -> None:
-            await asyncio.gather(*(_wait_ready(p, 120.0) for p in started))
-
-        asyncio.run(ready())
+        wait_all_ready(started, 120.0)
         store = RedisSessionStore.from_url(self.redis.url)
         deadline = time.monotonic() + 30
         for p in started:  # the gateway finds services in the registry: wait until they are listed there
@@ -79,12 +81,13 @@ class FaultCluster:
     def _spawn(self, role: str) -> Process:
         name, port = f"{role}{self.count}", free_port()
         self.count += 1
-        cmd = [sys.executable, "-m", SERVICES[role], "--port", str(port), "--redis-url", self.redis.url]
+        registry = ["--redis-url", self.redis.url]
         if role == "gateway":
-            cmd += ["--tokenizer", str(self.target_dir), "--gateway-id", name]
+            cmd = gateway_command(port, self.target_dir, *registry, "--gateway-id", name)
+        elif role == "verifier":
+            cmd = verifier_command(port, self.target_dir, name, *registry, "--threads", "1")
         else:
-            model = self.target_dir if role == "verifier" else self.draft_dir
-            cmd += ["--model", str(model), f"--{role}-id", name, "--threads", "1"]
+            cmd = drafter_command(port, self.draft_dir, name, *registry, "--threads", "1")
         return self.cluster.spawn(name, cmd, self.env, f"127.0.0.1:{port}")
 
     def process(self, name: str) -> Process:
