@@ -16,7 +16,6 @@ persistent_redis() is a private server with an append-only file, for tests that 
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -27,6 +26,8 @@ from dataclasses import dataclass, field
 
 import pytest
 import redis
+
+from rsd_tools.launcher import free_port, redis_pings
 
 START_TIMEOUT_S = 10.0
 
@@ -54,35 +55,19 @@ class RedisServer:
         client.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _pings(url: str) -> bool:
-    client = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=0.5)
-    try:
-        return bool(client.ping())
-    except redis.RedisError:
-        return False
-    finally:
-        client.close()
-
-
 @contextmanager
 def _private_server(executable: str) -> Iterator[RedisServer]:
     with tempfile.TemporaryDirectory(prefix="rsd-redis-") as tmp:
         for _attempt in range(3):  # another process may grab the port between probe and bind
-            port = _free_port()
+            port = free_port()
             cmd = [executable, "--port", str(port), "--bind", "127.0.0.1", "--dir", tmp]
             cmd += ["--save", "", "--appendonly", "no", "--daemonize", "no", "--loglevel", "warning"]
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             url = f"redis://127.0.0.1:{port}/0"
             deadline = time.monotonic() + START_TIMEOUT_S
-            while proc.poll() is None and time.monotonic() < deadline and not _pings(url):
+            while proc.poll() is None and time.monotonic() < deadline and not redis_pings(url):
                 time.sleep(0.02)
-            if proc.poll() is None and _pings(url):
+            if proc.poll() is None and redis_pings(url):
                 break
             proc.kill()
             log = proc.communicate()[0].decode(errors="replace")
@@ -110,7 +95,7 @@ class PersistentRedis:
 
     def __init__(self, executable: str, data_dir: str):
         self.executable, self.data_dir = executable, data_dir
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc: subprocess.Popen | None = None
 
@@ -119,7 +104,7 @@ class PersistentRedis:
         cmd += ["--save", "", "--appendonly", "yes", "--appendfsync", "always", "--daemonize", "no"]
         self.proc = subprocess.Popen([*cmd, "--loglevel", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not _pings(self.url):
+        while not redis_pings(self.url):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.kill()
                 raise RuntimeError(f"redis-server did not start on port {self.port}")
@@ -155,7 +140,7 @@ def redis_server() -> Iterator[RedisServer]:
             yield server
         return
     url = "redis://127.0.0.1:6379/0"
-    if not _pings(url):
+    if not redis_pings(url):
         pytest.skip("no redis-server on PATH and no Redis answering on 127.0.0.1:6379")
     server = RedisServer(url)
     try:
