@@ -26,17 +26,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from gateway.config import GatewayConfig, parse_services
-from gateway.engine import (
-    Detokenizer,
-    RequestError,
-    StopFilter,
-    default_params,
-    finish_reason_name,
-    merge_params,
-    validate_params,
-)
+from gateway.errors import RequestError
+from gateway.params import default_params, finish_reason_name, merge_params, validate_params
 from gateway.server import create_server
 from gateway.store import MemorySessionStore, RedisSessionStore
+from gateway.text import Detokenizer, StopFilter
 from rsd.methods import Method
 from rsd.sampling import SamplingParams
 from rsd_runtime.generator import Drafter, SpeculativeGenerator, Stream, Verifier, step_generator
