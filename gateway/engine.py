@@ -1,6 +1,7 @@
 """The gateway's session logic, without the gRPC server around it: GatewayEngine composes the parts.
 
     gateway.errors       the errors (each an rsd_service.status kind)
+    gateway.requests     a request's checks and its input as token ids
     gateway.text         Detokenizer, StopFilter
     gateway.params       params (defaults, merge, validation, protos), finish reason names
     gateway.directory    ServiceDirectory (who runs drafters and verifiers), Channels, DrafterClient
@@ -57,17 +58,15 @@ from gateway.params import (
     session_to_proto,
     validate_params,
 )
+from gateway.requests import InputReader, check_request, check_session_id
 from gateway.session import SessionConflict, SessionNotFound, SessionRecord, SessionStatus, SessionStore
 from gateway.store_calls import StoreCalls
 from gateway.text import Detokenizer
 from gateway.turns import Turn, TurnRunner
 from rsd_service import security
-from rsd_service.registry import check_id
 from rsd_wire import common_pb2, gateway_pb2
 
 log = logging.getLogger("rsd.gateway")
-
-MAX_REQUEST_ID = 128
 
 
 class GatewayEngine:
@@ -78,6 +77,7 @@ class GatewayEngine:
         self.vocab_size = len(tokenizer)
         self.eos_token_ids = [i for i in [tokenizer.eos_token_id] if i is not None]
         self.chat = ChatTemplate(tokenizer)
+        self.inputs = InputReader(config, tokenizer, self.chat)
         self.services = ServiceDirectory(store, config)
         self.channels = Channels(security.peer_security(config))
         self._store = StoreCalls(config.store_retry_s)
@@ -87,56 +87,10 @@ class GatewayEngine:
         self._turns: dict[str, Turn] = {}
         self.sweeper = OrphanSweeper(config, store, self._store, self._turns, self.take_over)
 
-    # -- requests ------------------------------------------------------------------------------
-
-    def _input_ids(self, request: gateway_pb2.GenerateRequest) -> list[int]:
-        which = request.WhichOneof("input")
-        if which == "text":
-            if not request.text:
-                raise RequestError("text: must not be empty")
-            ids = list(self.tokenizer.encode(request.text, add_special_tokens=False))
-            if not ids:
-                raise RequestError("text: encodes to no tokens")
-        elif which == "messages":
-            messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
-            try:
-                ids = self.chat.encode(messages, continuation=bool(request.session_id))
-            except ValueError as e:
-                raise RequestError(f"messages: {e}") from None
-        else:
-            ids = list(request.token_ids.ids)
-            if not ids:
-                raise RequestError("token_ids.ids: must not be empty")
-            bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
-            if bad is not None:
-                raise RequestError(f"token_ids.ids: token id {bad} is outside [0, {self.vocab_size})")
-        if len(ids) > self.config.max_prompt_tokens:
-            limit = self.config.max_prompt_tokens
-            raise RequestError(f"input has {len(ids)} tokens, more than max_prompt_tokens {limit}")
-        return ids
-
-    def _check_request(self, request: gateway_pb2.GenerateRequest) -> None:
-        if len(request.request_id) > MAX_REQUEST_ID:
-            raise RequestError(f"request_id: at most {MAX_REQUEST_ID} characters")
-        has_input = request.WhichOneof("input") is not None
-        if request.session_id:
-            try:
-                self.store_check_id(request.session_id)
-            except ValueError as e:
-                raise RequestError(f"session_id: {e}") from None
-        elif not has_input:
-            raise RequestError("a new session needs an input (text, token_ids or messages)")
-        if has_input and request.HasField("resume_from_position"):
-            raise RequestError("resume_from_position: only on a resume (a session_id without input)")
-
-    @staticmethod
-    def store_check_id(session_id: str) -> None:
-        check_id("session_id", session_id)
-
     # -- Generate ------------------------------------------------------------------------------
 
     async def generate(self, request: gateway_pb2.GenerateRequest) -> AsyncIterator[gateway_pb2.GenerateEvent]:
-        self._check_request(request)
+        check_request(request)
         if request.session_id and request.WhichOneof("input") is None:
             async for event in self._resume(request):
                 yield event
@@ -154,7 +108,7 @@ class GatewayEngine:
     async def _start_turn(self, request: gateway_pb2.GenerateRequest) -> tuple[Turn, gateway_pb2.GenerateEvent]:
         if len(self._turns) >= self.config.max_running_turns:
             raise Overloaded(f"{len(self._turns)} turns are running on this gateway (max_running_turns)")
-        input_ids = self._input_ids(request)
+        input_ids = self.inputs.token_ids(request)
         msg_params = request.params if request.HasField("params") else None
         if request.session_id:
             record = await self._store(self.store.get_session, request.session_id)
@@ -353,10 +307,7 @@ class GatewayEngine:
     # -- Cancel, GetSession, lifecycle ---------------------------------------------------------
 
     async def cancel(self, session_id: str) -> gateway_pb2.CancelResponse:
-        try:
-            self.store_check_id(session_id)
-        except ValueError as e:
-            raise RequestError(f"session_id: {e}") from None
+        check_session_id(session_id)
         record = await self._store(self.store.get_session, session_id)
         turn = self._turns.get(session_id)
         was_running = record.status == SessionStatus.RUNNING
@@ -370,10 +321,7 @@ class GatewayEngine:
         return gateway_pb2.CancelResponse(was_running=was_running, committed_length_tokens=record.committed_length)
 
     async def get_session(self, session_id: str, include_token_ids: bool) -> gateway_pb2.Session:
-        try:
-            self.store_check_id(session_id)
-        except ValueError as e:
-            raise RequestError(f"session_id: {e}") from None
+        check_session_id(session_id)
         record = await self._store(self.store.get_session, session_id)
         return session_to_proto(record, include_token_ids)
 
