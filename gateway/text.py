@@ -17,9 +17,9 @@ class Detokenizer:
     spaces a tokenizer inserts between tokens (word-level) or strips at the start (SentencePiece).
 
     Not tokenizers' DecodeStream: on a byte-level BPE it emits the complete part of a push whose last
-    character is split (this holds the whole push back: other TokenDelta texts), gives up on invalid UTF-8
-    with U+FFFD where this one waits, has no flush for a character cut off by the end of the turn, skips
-    clean_up_tokenization_spaces, and needs a fast (Rust) tokenizer.
+    character is split (this holds the whole push back: other TokenDelta texts), turns invalid UTF-8 (a
+    model's stray bytes) into other text, has no flush for a character cut off by the end of the turn,
+    skips clean_up_tokenization_spaces, and needs a fast (Rust) tokenizer.
     """
 
     def __init__(self, tokenizer: Any, context_ids: Sequence[int]):
