@@ -25,6 +25,8 @@ log = logging.getLogger("rsd.gateway")
 
 @dataclass
 class Turn:
+    """A turn this gateway runs: its session, params, current run (epoch, drafter, verifier) and event queue."""
+
     session_id: str
     params: dict[str, Any]
     turn_start: int  # committed length when generation of the turn began
