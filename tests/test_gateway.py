@@ -2,18 +2,16 @@
 
 Every test runs the gateway as a real grpc.aio server on loopback (on an event loop in a background
 thread) and talks to it through rsd_service.client.RsdClient. Sessions live in a MemorySessionStore
-or a real redis-server. The drafter behind it is either
-
-  - ReferenceDrafter, a test double of the drafter service defined here: the same Drafter/Verifier
-    engines as the in-process SpeculativeGenerator, one RunEvent per step, with knobs to slow down,
-    fail with UNAVAILABLE or play dead. It shows what the gateway itself does (commit, stream,
-    failover) independently of the drafter and verifier services; or
-  - the real drafter_service + verifier_service servers (the `test_real_services_*` tests at the bottom).
+or a real redis-server. Behind it run the real drafter_service and verifier_service servers on the tiny
+pair; start_stack puts each drafter behind a DrafterTap, which records its runs and can slow it down,
+stall it or fail it with UNAVAILABLE at a chosen step (the faults a real drafter cannot be told to make).
+The `test_real_services_*` tests at the bottom find the services in the Redis registry instead.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -25,29 +23,26 @@ from grpc_health.v1 import health_pb2
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from drafter_service.config import DrafterConfig
+from drafter_service.server import create_server as create_drafter
 from gateway.config import GatewayConfig, parse_services
-from gateway.engine import (
-    Detokenizer,
-    RequestError,
-    StopFilter,
-    default_params,
-    finish_reason_name,
-    merge_params,
-    validate_params,
-)
+from gateway.errors import RequestError
+from gateway.params import default_params, finish_reason_name, merge_params, validate_params
 from gateway.server import create_server
 from gateway.store import MemorySessionStore, RedisSessionStore
+from gateway.text import Detokenizer, StopFilter
 from rsd.methods import Method
 from rsd.sampling import SamplingParams
-from rsd_runtime.generator import Drafter, SpeculativeGenerator, Stream, Verifier, step_generator
+from rsd_runtime.generator import SpeculativeGenerator
 from rsd_runtime.models import load_model, load_tokenizer
 from rsd_runtime.runner import ModelRunner
 from rsd_service.client import RsdClient, build_params
-from rsd_service.serving import start_server
+from rsd_service.status import RpcError
 from rsd_tools.tiny import build_tiny_pair
-from rsd_wire import common_pb2, drafter_pb2, drafter_pb2_grpc, gateway_pb2
-from rsd_wire.convert import method_from_proto, sampling_params_from_proto
+from rsd_wire import common_pb2, drafter_pb2, gateway_pb2
 from tests.redis_server import redis_server
+from verifier_service.config import VerifierConfig
+from verifier_service.server import create_server as create_verifier
 
 PROMPT = "w2 w10 w11 w12"
 EOS = 1  # the tiny tokenizer's <eos>
@@ -161,111 +156,69 @@ class LoopThread:
         self.thread.join(5)
 
 
-class ReferenceDrafter(drafter_pb2_grpc.DrafterServicer):
-    """A drafter-service double: draft and target both in-process (rsd_runtime.generator's engines),
-    one RunEvent per speculative step. It ignores the verifier address.
+class DrafterTap:
+    """The real drafter service (drafter_service.server, the tiny draft model) with what a test needs around
+    it: `runs`, the RunRequests it got, and faults put between the steps its engine yields, which a real
+    drafter cannot be told to make (the one test double here):
 
-    step_delay_s: sleep between steps; fail_after_steps: the first run aborts with UNAVAILABLE after
-    that many steps, after awaiting on_fail (e.g. to play dead); hold_after_steps: the first run
-    stalls after that many steps until the gateway closes its stream."""
+    step_delay_s: sleep after each step; fail_after_steps: the first run aborts with UNAVAILABLE after that
+    many steps, after awaiting on_fail (e.g. to play dead); hold_after_steps: the first run stalls after that
+    many steps until the gateway closes its stream."""
 
     def __init__(
         self,
-        draft_model,
-        target_model,
+        handle,
         step_delay_s: float = 0.0,
         fail_after_steps: int | None = None,
         hold_after_steps: int | None = None,
     ):
-        self.draft_model, self.target_model = draft_model, target_model
+        self.handle, self.health = handle, handle.health
         self.step_delay_s, self.fail_after_steps = step_delay_s, fail_after_steps
         self.hold_after_steps = hold_after_steps
         self.on_fail: Callable | None = None
         self.runs: list[drafter_pb2.RunRequest] = []
-        self._running: set[tuple[str, int]] = set()
-        self._cancelled: set[tuple[str, int]] = set()
+        validate, run = handle.servicer.validate, handle.engine.run
 
-    async def Run(self, request, context):
-        self.runs.append(request)
-        key = (request.session_id, request.epoch)
-        self._running.add(key)
-        try:
-            method = method_from_proto(request.params.method)
-            params = sampling_params_from_proto(request.params.sampling)
-            drafter = Drafter(ModelRunner(self.draft_model, 512))
-            verifier = Verifier(ModelRunner(self.target_model, 512))
-            seed = request.params.seed
-            committed, produced, steps = list(request.committed_token_ids), 0, 0
+        def record(request: drafter_pb2.RunRequest):
+            self.runs.append(request)
+            return validate(request)
 
-            def step():
-                draft_gen = step_generator(seed, Stream.DRAFT, len(committed) - 1)
-                verify_gen = step_generator(seed, Stream.VERIFY, len(committed) - 1)
-                tree = drafter.draft(committed, method, params, draft_gen)
-                verdict = verifier.verify(committed, tree, method.rule(params.greedy), params, verify_gen)
-                drafter.accept(committed, verdict)
-                return tree, verdict
+        async def run_with_faults(job):
+            async with contextlib.aclosing(run(job)) as steps:
+                num_steps = 0
+                while True:
+                    if self.fail_after_steps is not None and num_steps >= self.fail_after_steps:
+                        self.fail_after_steps = None
+                        if self.on_fail is not None:
+                            await self.on_fail()
+                        raise RpcError(grpc.StatusCode.UNAVAILABLE, "verifier stream failed (test)")
+                    step = await anext(steps, None)
+                    if step is None:
+                        return
+                    yield step
+                    num_steps += 1
+                    if step.finish_reason:
+                        return
+                    if self.hold_after_steps is not None and num_steps >= self.hold_after_steps:
+                        self.hold_after_steps = None
+                        await asyncio.Event().wait()  # never set: cancelled when the gateway closes the stream
+                    await asyncio.sleep(self.step_delay_s)
 
-            while True:
-                event = drafter_pb2.RunEvent(
-                    session_id=request.session_id, epoch=request.epoch, start_position=len(committed)
-                )
-                if key in self._cancelled:
-                    event.finish_reason = common_pb2.FINISH_REASON_CANCELLED
-                    yield event
-                    return
-                if self.fail_after_steps is not None and steps >= self.fail_after_steps:
-                    self.fail_after_steps = None
-                    if self.on_fail is not None:
-                        await self.on_fail()
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "verifier stream failed (test)")
-                tree, verdict = await asyncio.to_thread(step)
-                new = verdict.token_ids[: request.max_new_tokens - produced]
-                if EOS in new:
-                    new = new[: new.index(EOS) + 1]
-                    event.finish_reason = common_pb2.FINISH_REASON_EOS
-                elif produced + len(new) >= request.max_new_tokens:
-                    event.finish_reason = common_pb2.FINISH_REASON_LENGTH
-                event.token_ids.extend(new)
-                event.stats.CopyFrom(
-                    common_pb2.StepStats(
-                        num_draft_tokens=tree.num_nodes - 1,
-                        num_accepted_tokens=len(verdict.accepted_idx),
-                        is_bonus=verdict.is_bonus,
-                    )
-                )
-                yield event
-                committed += new
-                produced += len(new)
-                steps += 1
-                if event.finish_reason:
-                    return
-                if self.hold_after_steps is not None and steps >= self.hold_after_steps:
-                    self.hold_after_steps = None
-                    await asyncio.Event().wait()  # never set: cancelled when the gateway closes the stream
-                await asyncio.sleep(self.step_delay_s)
-        finally:
-            self._running.discard(key)
-            self._cancelled.discard(key)
-
-    async def Cancel(self, request, context):
-        key = (request.session_id, request.epoch)
-        was_running = key in self._running
-        if was_running:
-            self._cancelled.add(key)
-        return drafter_pb2.CancelRunResponse(was_running=was_running)
+        handle.servicer.validate, handle.engine.run = record, run_with_faults
 
 
 @dataclass
 class Stack:
-    """A gateway over ReferenceDrafters (d0, d1, ...) and health-only verifier placeholders (v0, ...)."""
+    """A gateway over real drafters (d0, d1, ...; each behind a DrafterTap) and real verifiers (v0, ...)."""
 
     loop: LoopThread
     address: str = ""
     engine: object = None
-    drafters: list[ReferenceDrafter] = field(default_factory=list)
+    drafters: list[DrafterTap] = field(default_factory=list)
     drafter_health: list = field(default_factory=list)
     verifier_servers: list = field(default_factory=list)
-    servers: list = field(default_factory=list)
+    servers: list = field(default_factory=list)  # the gateway's first
+    services: list = field(default_factory=list)  # (handle, server) of each drafter and verifier
 
     def client(self) -> RsdClient:
         return RsdClient(self.address, timeout_s=60)
@@ -275,6 +228,8 @@ class Stack:
             for server in self.servers:
                 await server.stop(0)
             await self.engine.close()
+            for handle, server in self.services:
+                await handle.close(server, 0)
 
         self.loop.run(stop_all())
 
@@ -286,24 +241,23 @@ def start_stack(loop, pair, store, *, num_drafters=1, num_verifiers=1, drafter_k
     async def start():
         drafters, verifiers = [], []
         for i in range(num_drafters):
-            servicer = ReferenceDrafter(draft_model, target_model, **(drafter_kwargs or {}))
-            add = drafter_pb2_grpc.add_DrafterServicer_to_server
-            server, port, health = await start_server([(add, servicer)], ["rsd.v1.Drafter"], "127.0.0.1", 0)
-            stack.drafters.append(servicer)
-            stack.drafter_health.append(health)
-            stack.servers.append(server)
+            server, port, handle = await create_drafter(DrafterConfig(drafter_id=f"d{i}"), draft_model)
+            tap = DrafterTap(handle, **(drafter_kwargs or {}))
+            stack.drafters.append(tap)
+            stack.drafter_health.append(tap.health)
+            stack.services.append((handle, server))
             drafters.append(f"d{i}=127.0.0.1:{port}")
         for i in range(num_verifiers):
-            server, port, _ = await start_server([], ["rsd.v1.Verifier"], "127.0.0.1", 0)
+            server, port, handle = await create_verifier(VerifierConfig(verifier_id=f"v{i}"), target_model)
             stack.verifier_servers.append(server)
-            stack.servers.append(server)
+            stack.services.append((handle, server))
             verifiers.append(f"v{i}=127.0.0.1:{port}")
         cfg = GatewayConfig(port=0, drafters=",".join(drafters), verifiers=",".join(verifiers), **config)
         server, port, handle = await create_server(cfg, store=store, tokenizer=tokenizer)
         stack.servers.insert(0, server)
         stack.address, stack.engine = f"127.0.0.1:{port}", handle.engine
 
-    loop.run(start())
+    loop.run(start(), timeout_s=120)
     return stack
 
 
@@ -672,11 +626,6 @@ REAL_METHODS = [("sd", "4"), ("specinfer", "2,2,1"), ("spectr", "3x3"), ("rsd_c"
 async def start_registered_services(pair, registry: dict) -> list:
     """A verifier (v0) and a drafter (d0) on loopback that register in Redis (registry: redis_url and
     redis_namespace); returns their (handle, server) pairs, to close with `handle.close(server, 0)`."""
-    from drafter_service.config import DrafterConfig
-    from drafter_service.server import create_server as create_drafter
-    from verifier_service.config import VerifierConfig
-    from verifier_service.server import create_server as create_verifier
-
     draft_model, target_model, _ = pair
     vserver, _, vhandle = await create_verifier(VerifierConfig(verifier_id="v0", **registry), target_model)
     dserver, _, dhandle = await create_drafter(DrafterConfig(drafter_id="d0", **registry), draft_model)
@@ -755,11 +704,6 @@ def test_real_services_continuation_reuses_the_verifier_cache(real_stack, pair):
 def test_real_services_verifier_failover(loop, pair, tiny_tokenizer):
     """Two real verifiers; the one serving the session stops mid-run. The drafter's stream fails, the
     gateway re-runs from the committed tokens on the other verifier: same text as an undisturbed run."""
-    from drafter_service.config import DrafterConfig
-    from drafter_service.server import create_server as create_drafter
-    from verifier_service.config import VerifierConfig
-    from verifier_service.server import create_server as create_verifier
-
     draft_model, target_model, _ = pair
     stack, services = Stack(loop), {}
 
