@@ -41,6 +41,7 @@ from rsd.sampling import SamplingParams
 from rsd.tree import DraftTree, path_to
 from rsd_runtime.attention import check_model
 from rsd_runtime.generator import Drafter, Stream, step_generator
+from rsd_runtime.kvcache import common_prefix_length
 from rsd_runtime.predraft import PreDrafter
 from rsd_runtime.runner import ModelRunner
 from rsd_service.security import channel, peer_security
@@ -191,14 +192,9 @@ class DrafterEngine:
                 self.last_attach.pop(victim, None)
         self._slots[session_id] = slot  # most recently used
         # The runner holds all but the last committed token (the next root); keep the common prefix.
-        keep = 0
-        for a, b in zip(slot.cached_ids, committed[:-1], strict=False):
-            if a != b:
-                break
-            keep += 1
-        if keep < slot.runner.cache_len:  # ModelRunner has no crop(); its cache and length are public
-            slot.runner.cache.truncate(keep)
-            slot.runner.cache_len = keep
+        keep = common_prefix_length(slot.cached_ids, committed[:-1])
+        if keep < slot.runner.cache_len:
+            slot.runner.crop(keep)
         slot.cached_ids = slot.cached_ids[:keep]
         slot.busy = True
         return slot
