@@ -138,7 +138,7 @@ def _free_port(host: str) -> int:
 
 class VerifierReplica:
     """Ray actor body (async methods: Ray runs them on the actor's asyncio loop, where the grpc.aio
-    server lives too). Made an actor by VerifierPool: ray.remote(VerifierReplica).options(...)."""
+    server lives too). Made an actor by ReplicaPool: ray.remote(VerifierReplica).options(...)."""
 
     async def start(self, config: VerifierConfig) -> tuple[str, str]:
         """Load the model, start the server, register. Returns (verifier_id, address)."""
@@ -199,10 +199,10 @@ class Replica:
     drain_deadline: float = 0.0
 
 
-class VerifierPool:
+class ReplicaPool:
     """The driver side. step() is one tick of the control loop; tests call it directly.
 
-    pool = VerifierPool(verifier_config, pool_config)
+    pool = ReplicaPool(verifier_config, pool_config)
     pool.start()                 # the initial replicas, waits until they serve
     while running: pool.step(); time.sleep(pool_config.interval_s)
     pool.close()                 # drains every replica
@@ -399,7 +399,7 @@ def parse_args(argv: Sequence[str], env=None) -> tuple[PoolConfig, VerifierConfi
 def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     pool_config, verifier_config = parse_args(sys.argv[1:] if argv is None else argv)
-    pool = VerifierPool(verifier_config, pool_config)  # checks the configs before Ray starts
+    pool = ReplicaPool(verifier_config, pool_config)  # checks the configs before Ray starts
     ray.init(address=pool_config.ray_address or None)
     stopping = []
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -1,6 +1,6 @@
 """The drafter's session loop: draft a tree, send it to the verifier, apply the verdict, repeat.
 
-    engine = DrafterEngine(draft_model, config)
+    engine = DrafterPool(draft_model, config)   # the draft model of many sessions
     async for step in engine.run(job):          # job: a validated RunRequest (RunJob)
         ...                                      # step.token_ids committed at step.start_position
 
@@ -30,6 +30,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from functools import partial
 
 import grpc
 import torch
@@ -40,7 +41,7 @@ from rsd.methods import Method
 from rsd.sampling import SamplingParams
 from rsd.tree import DraftTree, path_to
 from rsd_runtime.attention import check_model
-from rsd_runtime.generator import Drafter, Stream, step_generator
+from rsd_runtime.generator import Drafter, Finish, Stream, cut_step, finishes, step_generator
 from rsd_runtime.kvcache import common_prefix_length
 from rsd_runtime.predraft import PreDrafter
 from rsd_runtime.runner import ModelRunner
@@ -123,7 +124,11 @@ class _Running:
     done: asyncio.Event
 
 
-class DrafterEngine:
+class DrafterPool:
+    """The draft model of many sessions: one ModelRunner per session (kept for its next turn, evicted
+    least recently used), each run driving a rsd_runtime.generator.Drafter against a remote verifier.
+    (Names: rsd_runtime.generator's docstring.)"""
+
     def __init__(self, model: torch.nn.Module, config: DrafterConfig):
         check_model(model, config.max_len)  # refuse at start, not at the first session, what trees cannot run exactly
         self.model, self.config = model, config
@@ -287,7 +292,7 @@ class _Ahead:
     is in, take() the tree drafted for that verdict, if any. Measured per session: the verify round
     trip (pre-drafting starts no tree once it is used up) and whether recent steps hit."""
 
-    def __init__(self, engine: DrafterEngine, slot: _Slot, drafter: Drafter, job: RunJob):
+    def __init__(self, engine: DrafterPool, slot: _Slot, drafter: Drafter, job: RunJob):
         self.engine, self.slot, self.job = engine, slot, job
         self.max_outcomes = engine.config.predraft_outcomes
         self.pre = PreDrafter(drafter, job.method, job.sampling, job.seed, self.max_outcomes)
@@ -297,7 +302,7 @@ class _Ahead:
 
     def start(self, committed: list[int], tree: DraftTree, budget: int, sent_at: float) -> None:
         """Tree was drafted from `committed` and goes out now; `budget` new tokens are left to the run."""
-        self.pre.begin(committed, tree, lambda tokens: bool(_cut(tokens, budget, self.job)[1]))
+        self.pre.begin(committed, tree, partial(finishes, budget=budget, eos_token_ids=self.job.eos_token_ids))
         cold = len(self.recent_hits) == self.recent_hits.maxlen and not any(self.recent_hits)
         limit = 1 if cold else self.max_outcomes
         self._stop = threading.Event()
@@ -416,14 +421,17 @@ def predraft_while_waiting(pre: PreDrafter, stop: threading.Event, deadline: flo
         pass
 
 
+_FINISH_REASONS = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    Finish.EOS: common_pb2.FINISH_REASON_EOS,
+    Finish.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+}
+
+
 def _cut(token_ids: list[int], budget: int, job: RunJob) -> tuple[list[int], int]:
     """Cut a step's tokens at the run's budget and after the first EOS; -> (tokens, finish reason)."""
-    new = token_ids[:budget]
-    for i, tok in enumerate(new):
-        if tok in job.eos_token_ids:
-            return new[: i + 1], common_pb2.FINISH_REASON_EOS
-    finish = common_pb2.FINISH_REASON_LENGTH if len(new) == budget else common_pb2.FINISH_REASON_UNSPECIFIED
-    return new, finish
+    new, finish = cut_step(token_ids, budget, job.eos_token_ids)
+    return new, _FINISH_REASONS[finish]
 
 
 # Answers of the verifier that say the request itself was wrong: passed on as they are. Anything

@@ -115,7 +115,7 @@ def ray_cluster():
 
 @pytest.fixture(scope="module")
 def cluster(ray_cluster, tmp_path_factory):
-    from deploy.ray_pool import VerifierPool
+    from deploy.ray_pool import ReplicaPool
     from drafter_service.config import DrafterConfig
     from drafter_service.server import create_server as create_drafter
     from gateway.config import GatewayConfig
@@ -136,7 +136,7 @@ def cluster(ray_cluster, tmp_path_factory):
         pool_config = PoolConfig(
             replicas=2, min_replicas=1, max_replicas=3, num_cpus_per_replica=1, window_s=1.0, drain_timeout_s=30
         )
-        pool = VerifierPool(verifier, pool_config)
+        pool = ReplicaPool(verifier, pool_config)
         pool.start(timeout_s=300)
         loop = LoopThread()
 

@@ -150,6 +150,18 @@ def test_reset_forgets_everything(model):
     torch.testing.assert_close(logits[1], causal_logits(model, [9, 10]), atol=ATOL, rtol=0)
 
 
+def test_crop_keeps_a_prefix(model):
+    """crop(length) drops later committed tokens and every tentative one; the kept prefix still serves."""
+    runner = prefilled(model, [5, 6, 7, 8, 9])
+    runner.forward(torch.tensor([10]), torch.tensor([-1]))
+    runner.crop(3)
+    assert runner.cache_len == 3 and runner.num_tentative == 0
+    logits = runner.forward(torch.tensor([20, 21]), torch.tensor([-1, 0]))
+    assert_matches_paths(model, logits, [5, 6, 7], torch.tensor([20, 21]), [-1, 0])
+    with pytest.raises(ValueError, match="crop length"):
+        runner.crop(4)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tokenizer_round_trips(pairs, family):
     for model_dir in pairs[family]:

@@ -1,4 +1,5 @@
-"""The batched verifier engine: many sessions' draft trees scored by ONE target forward.
+"""VerifierPool, the verifier service's engine: many sessions' draft trees scored by ONE target forward.
+(rsd_runtime.generator.Verifier is the single-session counterpart; names: rsd_runtime.generator's docstring.)
 
 Each session owns a slot of a preallocated KV pool (rsd_runtime.kvcache.SlotKVCache: per layer, keys/values
 [num_slots, H_kv, max_len, D]).
@@ -59,11 +60,23 @@ class VerifyRequest:
     tree: DraftTree
     rule: Rule
     params: SamplingParams
+    # The step's acceptance draws: step_generator(seed, Stream.VERIFY, root position). Required when
+    # sampling (T > 0); None is greedy's (T = 0: every law is one-hot, so no draw decides anything).
     generator: torch.Generator | None = None
 
+    def acceptance_generator(self) -> torch.Generator:
+        """The generator verify() draws from; raises ValueError when sampling has none."""
+        if self.generator is not None:
+            return self.generator
+        if not self.params.greedy:
+            raise ValueError(
+                f"session {self.session_id!r}: sampling at temperature {self.params.temperature} needs a generator"
+            )
+        return torch.Generator()  # greedy: its draws cannot change the verdict
 
-class BatchedVerifier:
-    """The target model of many sessions; see the module docstring."""
+
+class VerifierPool:
+    """The target model of many sessions, a KV slot each; see the module docstring."""
 
     def __init__(self, model: PreTrainedModel, num_slots: int, max_len: int):
         if num_slots < 1 or max_len < 1:
@@ -122,7 +135,7 @@ class BatchedVerifier:
         for req, seg, lg in zip(requests, segments, logits, strict=True):
             try:
                 probs = logits_to_probs(lg, req.params).to(req.tree.draft_probs.dtype)  # [N, V]
-                verdict = verify(req.tree, probs, req.rule, req.generator)
+                verdict = verify(req.tree, probs, req.rule, req.acceptance_generator())
             except Exception as e:  # one bad tree must not cost the others their step
                 verdicts.append(None)
                 errors[req.session_id] = e
@@ -194,6 +207,7 @@ class BatchedVerifier:
             seen.add(req.session_id)
             if not req.committed_ids:
                 raise ValueError(f"session {req.session_id!r}: committed_ids is empty")
+            req.acceptance_generator()  # refuse a sampling request without one before the forward
             tree = req.tree
             validate_tree(tree.token_ids, tree.parent_idx, self.vocab_size)
             if int(tree.token_ids[0]) != req.committed_ids[-1]:

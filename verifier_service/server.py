@@ -32,7 +32,7 @@ from rsd_service.serving import (
 from rsd_wire import verifier_pb2_grpc
 from verifier_service.batcher import Batcher
 from verifier_service.config import VerifierConfig
-from verifier_service.engine import BatchedVerifier
+from verifier_service.engine import VerifierPool
 from verifier_service.servicer import VerifierServicer
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ class VerifierHandle:
     config: VerifierConfig
     verifier_id: str
     address: str
-    engine: BatchedVerifier
+    engine: VerifierPool
     batcher: Batcher
     servicer: VerifierServicer
     health: health.aio.HealthServicer
@@ -85,7 +85,7 @@ async def create_server(
         model = await asyncio.to_thread(
             load_model, config.model, config.device, config.dtype, config.attn_implementation
         )
-    engine = BatchedVerifier(model, config.num_slots, config.max_len)
+    engine = VerifierPool(model, config.num_slots, config.max_len)
     batcher = Batcher(engine, config.max_batch_nodes, config.batch_wait_ms, config.batching)
     servicer = VerifierServicer(engine, batcher, config.verifier_id, config.max_tree_nodes, config.attach_grace_s)
     metrics = VerifierMetrics(servicer, batcher)

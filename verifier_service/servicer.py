@@ -30,7 +30,7 @@ from rsd_service.status import RpcError, abort
 from rsd_wire import common_pb2, verifier_pb2, verifier_pb2_grpc
 from rsd_wire.convert import draft_tree_from_proto, generation_params_from_proto, verdict_to_proto
 from verifier_service.batcher import Batcher, BatchInfo
-from verifier_service.engine import BatchedVerifier, PoolFullError, UnknownSessionError, VerifyRequest
+from verifier_service.engine import PoolFullError, UnknownSessionError, VerifierPool, VerifyRequest
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class _Session:
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def __init__(
-        self, engine: BatchedVerifier, batcher: Batcher, verifier_id: str, max_tree_nodes: int, attach_grace_s: float
+        self, engine: VerifierPool, batcher: Batcher, verifier_id: str, max_tree_nodes: int, attach_grace_s: float
     ):
         self.engine, self.batcher = engine, batcher
         batcher.open_sessions = lambda: len(self._open_streams)
