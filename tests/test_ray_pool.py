@@ -121,7 +121,8 @@ def cluster(ray_cluster, tmp_path_factory):
     from gateway.config import GatewayConfig
     from gateway.server import create_server as create_gateway
     from gateway.store import RedisSessionStore
-    from rsd_runtime.models import load_model, load_tokenizer
+    from rsd_runtime.models import load_model
+    from rsd_runtime.tokenizer import load_tokenizer
     from rsd_tools.tiny import build_tiny_pair
     from tests.redis_server import redis_server
     from tests.test_gateway import LoopThread

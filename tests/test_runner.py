@@ -6,6 +6,8 @@ observed error is ~5e-6; a wrong mask or position moves logits by far more than 
 """
 
 import os
+import subprocess
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: tests never touch the hub
 
@@ -14,8 +16,9 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from rsd_runtime.models import cpu_has_native_bf16, load_model, load_tokenizer, parse_dtype
+from rsd_runtime.models import cpu_has_native_bf16, load_model, parse_dtype
 from rsd_runtime.runner import ModelRunner
+from rsd_runtime.tokenizer import load_tokenizer
 from rsd_tools.tiny import build_tiny_pair, build_tiny_vocab_pair
 
 ATOL = 1e-4
@@ -160,6 +163,12 @@ def test_crop_keeps_a_prefix(model):
     assert_matches_paths(model, logits, [5, 6, 7], torch.tensor([20, 21]), [-1, 0])
     with pytest.raises(ValueError, match="crop length"):
         runner.crop(4)
+
+
+def test_tokenizer_module_imports_no_torch():
+    """The gateway loads tokenizers and holds no model: rsd_runtime.tokenizer must not pull torch in."""
+    code = "import sys, rsd_runtime.tokenizer; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
