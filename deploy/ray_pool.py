@@ -21,7 +21,6 @@ loop keeps the number of replicas between min and max by the load it measures.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -67,9 +66,10 @@ class PoolConfig:
     scale_down_cooldown_s: float = 60.0  # after any change, before the next scale-down
     drain_timeout_s: float = 120.0  # a draining replica's open streams get this long to finish
 
-    def __post_init__(self) -> None:
+    def checks(self) -> dict[str, bool]:
+        """Field name -> whether its value is valid (the service configs' interface, rsd_service.config)."""
         lo, hi = self.bounds
-        checks = {
+        return {
             "replicas": lo <= self.replicas <= hi,
             "min_replicas": self.min_replicas >= 0,
             "max_replicas": hi >= max(lo, 1),
@@ -82,7 +82,9 @@ class PoolConfig:
             "scale_down_cooldown_s": self.scale_down_cooldown_s >= 0,
             "drain_timeout_s": self.drain_timeout_s >= 0,
         }
-        bad = [name for name, ok in checks.items() if not ok]
+
+    def __post_init__(self) -> None:
+        bad = [name for name, ok in self.checks().items() if not ok]
         if bad:
             raise ValueError(f"invalid pool config: {', '.join(f'{n}={getattr(self, n)!r}' for n in bad)}")
 
@@ -155,27 +157,12 @@ class VerifierReplica:
 
     async def load(self) -> tuple[int, int, int]:
         """(sessions with an open Verify stream, sessions holding a KV slot, slots)."""
-        handle = self.handle
-        return handle.batcher.open_sessions(), handle.servicer.num_sessions, handle.config.num_slots
+        return self.handle.load()
 
     async def drain(self, timeout_s: float, settle_s: float = 0.5) -> int:
-        """Leave the registry, wait until no Verify stream has been open for settle_s (or timeout_s),
-        stop the server. Returns the sessions still streaming when it stopped (0 = a clean drain).
-
-        Sessions that merely hold a slot (finished turns kept for a continuation) are not waited
-        for: no gateway can reach this replica any more, so their next turn re-prefills elsewhere."""
-        await self.handle.drain()
-        loop = asyncio.get_running_loop()
-        deadline, idle_since = loop.time() + timeout_s, None
-        while loop.time() < deadline:
-            if self.handle.batcher.open_sessions():
-                idle_since = None
-            elif idle_since is None:
-                idle_since = loop.time()
-            elif loop.time() - idle_since >= settle_s:  # a turn attached just before we left may still open one
-                break
-            await asyncio.sleep(0.05)
-        still_open = self.handle.batcher.open_sessions()
+        """Leave the registry, let the open Verify streams finish (VerifierHandle.drain_streams), stop the
+        server. Returns the sessions still streaming when it stopped (0 = a clean drain)."""
+        still_open = await self.handle.drain_streams(timeout_s, settle_s)
         await self.handle.close(self.server, 1.0)
         return still_open
 

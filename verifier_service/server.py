@@ -64,6 +64,29 @@ class VerifierHandle:
             await self.heartbeat.close()
             self.heartbeat = None
 
+    def load(self) -> tuple[int, int, int]:
+        """(sessions with an open Verify stream, sessions holding a KV slot, slots)."""
+        return self.servicer.num_open_streams, self.servicer.num_sessions, self.config.num_slots
+
+    async def drain_streams(self, timeout_s: float, settle_s: float = 0.5) -> int:
+        """Leave the registry, then wait until no Verify stream has been open for settle_s (or timeout_s).
+        Returns the sessions still streaming (0 = a clean drain); the server keeps running.
+
+        Sessions that merely hold a slot (finished turns kept for a continuation) are not waited for: no
+        gateway finds this verifier any more, so their next turn re-prefills elsewhere."""
+        await self.drain()
+        loop = asyncio.get_running_loop()
+        deadline, idle_since = loop.time() + timeout_s, None
+        while loop.time() < deadline:
+            if self.servicer.num_open_streams:
+                idle_since = None
+            elif idle_since is None:
+                idle_since = loop.time()
+            elif loop.time() - idle_since >= settle_s:  # a turn attached just before we left may still open one
+                break
+            await asyncio.sleep(0.05)
+        return self.servicer.num_open_streams
+
     async def close(self, server: grpc.aio.Server, grace_s: float | None = None) -> None:
         """Stop everything create_server started."""
         await self.drain()
