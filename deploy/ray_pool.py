@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import ray
 
-from rsd_service.serving import load_config
+from rsd_service.serving import load_config, setup_logging
 from verifier_service.config import VerifierConfig
 
 log = logging.getLogger(__name__)
@@ -146,7 +146,7 @@ class VerifierReplica:
         """Load the model, start the server, register. Returns (verifier_id, address)."""
         from verifier_service.server import create_server  # imported in the worker, not by the driver
 
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        setup_logging(config.log_format)  # as a standalone verifier logs
         if config.host in _WILDCARD_HOSTS and not config.advertise_address:
             # Listening on every interface: publish the node's address, which other machines reach.
             # The port must be known before create_server registers, so pick it here.
@@ -384,9 +384,12 @@ def parse_args(argv: Sequence[str], env=None) -> tuple[PoolConfig, VerifierConfi
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    pool_config, verifier_config = parse_args(sys.argv[1:] if argv is None else argv)
-    pool = ReplicaPool(verifier_config, pool_config)  # checks the configs before Ray starts
+    try:  # like rsd_service.serving.run_service: a bad flag or value ends the process with the reason
+        pool_config, verifier_config = parse_args(sys.argv[1:] if argv is None else argv)
+        pool = ReplicaPool(verifier_config, pool_config)  # checks the configs before Ray starts
+    except ValueError as e:
+        raise SystemExit(f"pool: {e}") from None
+    setup_logging(verifier_config.log_format)
     ray.init(address=pool_config.ray_address or None)
     stopping = []
     for sig in (signal.SIGTERM, signal.SIGINT):
