@@ -21,7 +21,6 @@ loop keeps the number of replicas between min and max by the load it measures.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -36,7 +35,7 @@ from dataclasses import dataclass
 
 import ray
 
-from rsd_service.serving import load_config
+from rsd_service.serving import load_config, setup_logging
 from verifier_service.config import VerifierConfig
 
 log = logging.getLogger(__name__)
@@ -67,9 +66,10 @@ class PoolConfig:
     scale_down_cooldown_s: float = 60.0  # after any change, before the next scale-down
     drain_timeout_s: float = 120.0  # a draining replica's open streams get this long to finish
 
-    def __post_init__(self) -> None:
+    def checks(self) -> dict[str, bool]:
+        """Field name -> whether its value is valid (the service configs' interface, rsd_service.config)."""
         lo, hi = self.bounds
-        checks = {
+        return {
             "replicas": lo <= self.replicas <= hi,
             "min_replicas": self.min_replicas >= 0,
             "max_replicas": hi >= max(lo, 1),
@@ -82,7 +82,9 @@ class PoolConfig:
             "scale_down_cooldown_s": self.scale_down_cooldown_s >= 0,
             "drain_timeout_s": self.drain_timeout_s >= 0,
         }
-        bad = [name for name, ok in checks.items() if not ok]
+
+    def __post_init__(self) -> None:
+        bad = [name for name, ok in self.checks().items() if not ok]
         if bad:
             raise ValueError(f"invalid pool config: {', '.join(f'{n}={getattr(self, n)!r}' for n in bad)}")
 
@@ -138,13 +140,13 @@ def _free_port(host: str) -> int:
 
 class VerifierReplica:
     """Ray actor body (async methods: Ray runs them on the actor's asyncio loop, where the grpc.aio
-    server lives too). Made an actor by VerifierPool: ray.remote(VerifierReplica).options(...)."""
+    server lives too). Made an actor by ReplicaPool: ray.remote(VerifierReplica).options(...)."""
 
     async def start(self, config: VerifierConfig) -> tuple[str, str]:
         """Load the model, start the server, register. Returns (verifier_id, address)."""
         from verifier_service.server import create_server  # imported in the worker, not by the driver
 
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        setup_logging(config.log_format)  # as a standalone verifier logs
         if config.host in _WILDCARD_HOSTS and not config.advertise_address:
             # Listening on every interface: publish the node's address, which other machines reach.
             # The port must be known before create_server registers, so pick it here.
@@ -155,27 +157,12 @@ class VerifierReplica:
 
     async def load(self) -> tuple[int, int, int]:
         """(sessions with an open Verify stream, sessions holding a KV slot, slots)."""
-        handle = self.handle
-        return handle.batcher.open_sessions(), handle.servicer.num_sessions, handle.config.num_slots
+        return self.handle.load()
 
     async def drain(self, timeout_s: float, settle_s: float = 0.5) -> int:
-        """Leave the registry, wait until no Verify stream has been open for settle_s (or timeout_s),
-        stop the server. Returns the sessions still streaming when it stopped (0 = a clean drain).
-
-        Sessions that merely hold a slot (finished turns kept for a continuation) are not waited
-        for: no gateway can reach this replica any more, so their next turn re-prefills elsewhere."""
-        await self.handle.drain()
-        loop = asyncio.get_running_loop()
-        deadline, idle_since = loop.time() + timeout_s, None
-        while loop.time() < deadline:
-            if self.handle.batcher.open_sessions():
-                idle_since = None
-            elif idle_since is None:
-                idle_since = loop.time()
-            elif loop.time() - idle_since >= settle_s:  # a turn attached just before we left may still open one
-                break
-            await asyncio.sleep(0.05)
-        still_open = self.handle.batcher.open_sessions()
+        """Leave the registry, let the open Verify streams finish (VerifierHandle.drain_streams), stop the
+        server. Returns the sessions still streaming when it stopped (0 = a clean drain)."""
+        still_open = await self.handle.drain_streams(timeout_s, settle_s)
         await self.handle.close(self.server, 1.0)
         return still_open
 
@@ -199,10 +186,10 @@ class Replica:
     drain_deadline: float = 0.0
 
 
-class VerifierPool:
+class ReplicaPool:
     """The driver side. step() is one tick of the control loop; tests call it directly.
 
-    pool = VerifierPool(verifier_config, pool_config)
+    pool = ReplicaPool(verifier_config, pool_config)
     pool.start()                 # the initial replicas, waits until they serve
     while running: pool.step(); time.sleep(pool_config.interval_s)
     pool.close()                 # drains every replica
@@ -397,9 +384,12 @@ def parse_args(argv: Sequence[str], env=None) -> tuple[PoolConfig, VerifierConfi
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    pool_config, verifier_config = parse_args(sys.argv[1:] if argv is None else argv)
-    pool = VerifierPool(verifier_config, pool_config)  # checks the configs before Ray starts
+    try:  # like rsd_service.serving.run_service: a bad flag or value ends the process with the reason
+        pool_config, verifier_config = parse_args(sys.argv[1:] if argv is None else argv)
+        pool = ReplicaPool(verifier_config, pool_config)  # checks the configs before Ray starts
+    except ValueError as e:
+        raise SystemExit(f"pool: {e}") from None
+    setup_logging(verifier_config.log_format)
     ray.init(address=pool_config.ray_address or None)
     stopping = []
     for sig in (signal.SIGTERM, signal.SIGINT):

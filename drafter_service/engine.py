@@ -1,6 +1,6 @@
 """The drafter's session loop: draft a tree, send it to the verifier, apply the verdict, repeat.
 
-    engine = DrafterEngine(draft_model, config)
+    engine = DrafterPool(draft_model, config)   # the draft model of many sessions
     async for step in engine.run(job):          # job: a validated RunRequest (RunJob)
         ...                                      # step.token_ids committed at step.start_position
 
@@ -30,23 +30,26 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from functools import partial
 
 import grpc
 import torch
 
 from drafter_service.config import DrafterConfig
+from drafter_service.verifier_client import VerifyStream, check_verdict, verifier_error
 from rsd.acceptance import Verdict
 from rsd.methods import Method
 from rsd.sampling import SamplingParams
-from rsd.tree import DraftTree, path_to
+from rsd.tree import DraftTree
 from rsd_runtime.attention import check_model
-from rsd_runtime.generator import Drafter, Stream, step_generator
+from rsd_runtime.generator import Drafter, Finish, Stream, cut_step, finishes, step_generator
+from rsd_runtime.kvcache import common_prefix_length
 from rsd_runtime.predraft import PreDrafter
 from rsd_runtime.runner import ModelRunner
 from rsd_service.security import channel, peer_security
-from rsd_service.status import Conflict, Exhausted, RpcError
+from rsd_service.status import Conflict, Exhausted
 from rsd_wire import common_pb2, verifier_pb2, verifier_pb2_grpc
-from rsd_wire.convert import draft_tree_to_proto, verdict_from_proto
+from rsd_wire.convert import draft_tree_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +60,6 @@ class DraftPoolFullError(Exhausted):
 
 class RunConflictError(Conflict):
     """A run of the session at the same or a newer epoch is in progress."""
-
-
-class VerifierFailedError(RpcError):
-    """The verifier refused or broke the session's stream; `code` is what it answered (UNAVAILABLE
-    when it could not be reached or sent something malformed)."""
 
 
 @dataclass(frozen=True)
@@ -122,7 +120,11 @@ class _Running:
     done: asyncio.Event
 
 
-class DrafterEngine:
+class DrafterPool:
+    """The draft model of many sessions: one ModelRunner per session (kept for its next turn, evicted
+    least recently used), each run driving a rsd_runtime.generator.Drafter against a remote verifier.
+    (Names: rsd_runtime.generator's docstring.)"""
+
     def __init__(self, model: torch.nn.Module, config: DrafterConfig):
         check_model(model, config.max_len)  # refuse at start, not at the first session, what trees cannot run exactly
         self.model, self.config = model, config
@@ -191,14 +193,9 @@ class DrafterEngine:
                 self.last_attach.pop(victim, None)
         self._slots[session_id] = slot  # most recently used
         # The runner holds all but the last committed token (the next root); keep the common prefix.
-        keep = 0
-        for a, b in zip(slot.cached_ids, committed[:-1], strict=False):
-            if a != b:
-                break
-            keep += 1
-        if keep < slot.runner.cache_len:  # ModelRunner has no crop(); its cache and length are public
-            slot.runner.cache.truncate(keep)
-            slot.runner.cache_len = keep
+        keep = common_prefix_length(slot.cached_ids, committed[:-1])
+        if keep < slot.runner.cache_len:
+            slot.runner.crop(keep)
         slot.cached_ids = slot.cached_ids[:keep]
         slot.busy = True
         return slot
@@ -214,7 +211,7 @@ class DrafterEngine:
         async with channel(job.verifier_address, self.verifier_security) as verifier_channel:
             stub = verifier_pb2_grpc.VerifierStub(verifier_channel)
             await self._attach(stub, job)
-            call = _VerifyStream(stub, self.config.verify_timeout_s, self.config.verify_attempts)
+            call = VerifyStream(stub, self.config.verify_timeout_s, self.config.verify_attempts)
             try:
                 while True:
                     if cancel.is_set():
@@ -240,7 +237,7 @@ class DrafterEngine:
                         yield StepResult(len(committed), [], None, common_pb2.FINISH_REASON_CANCELLED)
                         return
                     t2 = time.perf_counter()
-                    verdict = _check_verdict(reply, msg, tree)
+                    verdict = check_verdict(reply, msg, tree)
                     stats = common_pb2.StepStats(
                         num_draft_tokens=tree.num_nodes - 1,
                         num_accepted_tokens=len(verdict.accepted_ids),
@@ -275,7 +272,7 @@ class DrafterEngine:
         try:
             reply = await stub.Attach(request, timeout=self.config.attach_timeout_s)
         except grpc.aio.AioRpcError as e:
-            raise _verifier_error(e.code(), e.details(), "Attach") from None
+            raise verifier_error(e.code(), e.details(), "Attach") from None
         if reply.vocab_size != self.vocab_size:
             raise ValueError(f"the verifier's vocabulary ({reply.vocab_size}) is not the draft's ({self.vocab_size})")
         nodes = job.method.max_draft_tokens + 1
@@ -291,7 +288,7 @@ class _Ahead:
     is in, take() the tree drafted for that verdict, if any. Measured per session: the verify round
     trip (pre-drafting starts no tree once it is used up) and whether recent steps hit."""
 
-    def __init__(self, engine: DrafterEngine, slot: _Slot, drafter: Drafter, job: RunJob):
+    def __init__(self, engine: DrafterPool, slot: _Slot, drafter: Drafter, job: RunJob):
         self.engine, self.slot, self.job = engine, slot, job
         self.max_outcomes = engine.config.predraft_outcomes
         self.pre = PreDrafter(drafter, job.method, job.sampling, job.seed, self.max_outcomes)
@@ -301,7 +298,7 @@ class _Ahead:
 
     def start(self, committed: list[int], tree: DraftTree, budget: int, sent_at: float) -> None:
         """Tree was drafted from `committed` and goes out now; `budget` new tokens are left to the run."""
-        self.pre.begin(committed, tree, lambda tokens: bool(_cut(tokens, budget, self.job)[1]))
+        self.pre.begin(committed, tree, partial(finishes, budget=budget, eos_token_ids=self.job.eos_token_ids))
         cold = len(self.recent_hits) == self.recent_hits.maxlen and not any(self.recent_hits)
         limit = 1 if cold else self.max_outcomes
         self._stop = threading.Event()
@@ -333,85 +330,6 @@ class _Ahead:
         return next_tree
 
 
-class _VerifyStream:
-    """The run's Verify stream, with a deadline per step. A step that times out or whose stream broke is
-    resent, the very same tree, on a fresh stream: the verifier keys a step by (session, epoch, root
-    position) and answers a repeated tree with the verdict it stored, so its cache grows once.
-    timeout_s, attempts: DrafterConfig.verify_timeout_s, verify_attempts."""
-
-    def __init__(self, stub: verifier_pb2_grpc.VerifierStub, timeout_s: float, attempts: int):
-        self.stub, self.call = stub, stub.Verify()
-        self.timeout_s, self.attempts = timeout_s, attempts
-
-    async def exchange(self, msg: verifier_pb2.DraftTree, cancel: asyncio.Event) -> verifier_pb2.Verdict | None:
-        for attempt in range(1, self.attempts + 1):
-            try:
-                return await asyncio.wait_for(_exchange(self.call, msg, cancel), self.timeout_s)
-            except TimeoutError:
-                error = VerifierFailedError(grpc.StatusCode.UNAVAILABLE, f"no verdict in {self.timeout_s} s")
-            except VerifierFailedError as e:
-                if e.code != grpc.StatusCode.UNAVAILABLE:  # the verifier refused the step: a retry would too
-                    raise
-                error = e
-            if attempt == self.attempts:
-                raise error
-            log.warning("session %s step at %d: %s; resending (%d)", msg.session_id, msg.root_position, error, attempt)
-            self.call.cancel()
-            await asyncio.sleep(0.05 * attempt)
-            self.call = self.stub.Verify()
-        raise AssertionError("unreachable")
-
-    def cancel(self) -> None:
-        self.call.cancel()
-
-
-async def _exchange(
-    call: grpc.aio.StreamStreamCall, msg: verifier_pb2.DraftTree, cancel: asyncio.Event
-) -> verifier_pb2.Verdict | None:
-    """Send one tree and read its verdict; None when the run was cancelled while waiting."""
-    try:
-        await call.write(msg)
-        read = asyncio.ensure_future(call.read())
-        stop = asyncio.ensure_future(cancel.wait())
-        try:
-            await asyncio.wait({read, stop}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stop.cancel()
-        if not read.done():
-            read.cancel()
-            return None
-        reply = read.result()
-    except grpc.aio.AioRpcError as e:
-        raise _verifier_error(e.code(), e.details(), "Verify") from None
-    except asyncio.InvalidStateError:  # a write to a stream that already ended (the verifier went away)
-        reply = grpc.aio.EOF
-    if reply is grpc.aio.EOF:
-        code, details = await call.code(), await call.details()
-        if code == grpc.StatusCode.OK:
-            code, details = grpc.StatusCode.UNAVAILABLE, "the verifier ended the stream before answering"
-        raise _verifier_error(code, details, "Verify")
-    return reply
-
-
-def _check_verdict(reply: verifier_pb2.Verdict, sent: verifier_pb2.DraftTree, tree: DraftTree) -> Verdict:
-    """The verdict must answer this step and name a root-to-node path of this tree."""
-    try:
-        verdict = verdict_from_proto(reply)
-    except ValueError as e:
-        raise VerifierFailedError(grpc.StatusCode.UNAVAILABLE, f"malformed verdict: {e}") from None
-    n = tree.num_nodes
-    path = path_to(tree.parent_idx, verdict.accepted_idx[-1]) if verdict.accepted_idx else []
-    ok = (
-        (reply.session_id, reply.epoch, reply.root_position) == (sent.session_id, sent.epoch, sent.root_position)
-        and all(i < n for i in verdict.accepted_idx)
-        and path == verdict.accepted_idx
-        and tree.token_ids[path].tolist() == verdict.accepted_ids
-    )
-    if not ok:
-        raise VerifierFailedError(grpc.StatusCode.UNAVAILABLE, "verdict does not match the tree that was sent")
-    return verdict
-
-
 def predraft_while_waiting(pre: PreDrafter, stop: threading.Event, deadline: float, limit: int) -> None:
     """Pre-draft outcome after outcome until the verdict is in (stop), the session's measured verify
     round trip is used up (deadline, perf_counter seconds), `limit` trees are drafted or none is
@@ -420,22 +338,14 @@ def predraft_while_waiting(pre: PreDrafter, stop: threading.Event, deadline: flo
         pass
 
 
+_FINISH_REASONS = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    Finish.EOS: common_pb2.FINISH_REASON_EOS,
+    Finish.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+}
+
+
 def _cut(token_ids: list[int], budget: int, job: RunJob) -> tuple[list[int], int]:
     """Cut a step's tokens at the run's budget and after the first EOS; -> (tokens, finish reason)."""
-    new = token_ids[:budget]
-    for i, tok in enumerate(new):
-        if tok in job.eos_token_ids:
-            return new[: i + 1], common_pb2.FINISH_REASON_EOS
-    finish = common_pb2.FINISH_REASON_LENGTH if len(new) == budget else common_pb2.FINISH_REASON_UNSPECIFIED
-    return new, finish
-
-
-# Answers of the verifier that say the request itself was wrong: passed on as they are. Anything
-# else (unreachable, restarted, overloaded, internal error) is UNAVAILABLE: the gateway then picks
-# a live verifier and starts a new epoch (drafter.proto).
-_PASSED_ON = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
-
-
-def _verifier_error(code: grpc.StatusCode, details: str, rpc: str) -> VerifierFailedError:
-    passed_on = code if code in _PASSED_ON else grpc.StatusCode.UNAVAILABLE
-    return VerifierFailedError(passed_on, f"verifier {rpc} failed: {code.name}: {details}")
+    new, finish = cut_step(token_ids, budget, job.eos_token_ids)
+    return new, _FINISH_REASONS[finish]

@@ -18,7 +18,7 @@ import torch
 from grpc_health.v1 import health
 
 from drafter_service.config import DrafterConfig
-from drafter_service.engine import DrafterEngine
+from drafter_service.engine import DrafterPool
 from drafter_service.servicer import DrafterServicer
 from rsd_runtime.attention import UnsupportedModelError
 from rsd_runtime.models import load_model, prune_draft_vocab, quantize_draft
@@ -45,7 +45,7 @@ class DrafterHandle:
     config: DrafterConfig
     drafter_id: str
     address: str
-    engine: DrafterEngine
+    engine: DrafterPool
     servicer: DrafterServicer
     health: health.aio.HealthServicer
     metrics: DrafterMetrics
@@ -81,7 +81,7 @@ async def create_server(
         if not config.model:
             raise ValueError("--model is required: a local folder holding the draft model")
         model, quantize = await asyncio.to_thread(load_draft, config)
-    engine = DrafterEngine(model, config)
+    engine = DrafterPool(model, config)
     servicer = DrafterServicer(engine)
     metrics = DrafterMetrics(engine)
     server, port, health_servicer = await start_service(

@@ -15,7 +15,7 @@ import logging
 
 import grpc
 
-from drafter_service.engine import DrafterEngine, RunJob
+from drafter_service.engine import DrafterPool, RunJob
 from rsd_service.registry import ID_PATTERN, check_id
 from rsd_service.status import abort
 from rsd_wire import drafter_pb2, drafter_pb2_grpc
@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
-    def __init__(self, engine: DrafterEngine):
+    def __init__(self, engine: DrafterPool):
         self.engine = engine
 
     async def Run(self, request: drafter_pb2.RunRequest, context):

@@ -1,5 +1,7 @@
-"""Model runtime (torch + transformers, no gRPC): loading and checking a causal LM (models, attention), the KV
-cache, the tree-attention runner, the in-process generator and pre-drafting. Imports only rsd/ below it."""
+"""Model runtime (torch + transformers, no gRPC): loading and checking a causal LM (models, attention), its
+tokenizer (tokenizer: no torch at import), the one KV cache (kvcache), the tree-attention runner (runner), the
+single-session Drafter and Verifier with the in-process generator (generator) and pre-drafting (predraft).
+Imports only rsd/ below it."""
 
 # Model dtypes by name, for flags and configs that must not import torch to parse; models.DTYPES maps
 # them to torch dtypes, and "auto" (models.parse_dtype) resolves to one of them per device.

@@ -1,6 +1,15 @@
 """Speculative generation in one process: a Drafter and a Verifier engine glued by a loop.
 
-The two engines are what the drafter and verifier services wrap; here they share one process.
+Engine names (one vocabulary, rsd_runtime and the services):
+    Drafter        the draft model of ONE session (here); drafts trees, follows verdicts
+    Verifier       the target model of ONE session (here); one forward per tree, then the rule
+    DrafterPool    drafter_service.engine: the draft model of MANY sessions, a runner per session kept
+                   between turns (LRU); each run drives a Drafter on its session's runner
+    VerifierPool   verifier_service.engine: the target model of MANY sessions, a KV slot per session;
+                   verifies their trees in one packed forward (it cannot reuse Verifier: one forward
+                   serves every session)
+    ReplicaPool    deploy.ray_pool: verifier service replicas on Ray (processes, not an engine)
+The Drafter and Verifier here share one process; the services put them in two.
 One step (a "block"):
     1. Drafter.draft   the draft model builds a tree from the committed tokens (one forward per level)
     2. Verifier.verify the target runs once over the whole tree and the method's rule walks it
@@ -17,9 +26,9 @@ what ran before (the drafter service drafts ahead on that: rsd_runtime.predraft)
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from enum import IntEnum
+from enum import Enum, IntEnum
 from functools import partial
 
 import torch
@@ -32,7 +41,7 @@ from rsd.tree import DraftTree, path_to
 from rsd_runtime.runner import ModelRunner
 
 
-def _forward_with_catch_up(runner: ModelRunner, committed: list[int], token_ids: Tensor, parent_idx: Tensor) -> Tensor:
+def forward_with_catch_up(runner: ModelRunner, committed: list[int], token_ids: Tensor, parent_idx: Tensor) -> Tensor:
     """Run the committed tokens the runner has not cached yet (all but the last committed token) as a
     chain, then a tree whose node 0 is the last committed token. Returns the tree's logits [N, V].
     parent_idx [N] is the tree's (root -1); returns logits for the tree nodes only."""
@@ -86,7 +95,7 @@ class ModelProposal:
         if not self.tentative_of:  # first level: the root (plus any catch-up chain)
             assert nodes == [0], "the first proposal is asked at the root"
             m = len(self.committed) - 1 - self.runner.cache_len
-            logits = _forward_with_catch_up(self.runner, self.committed, token_ids[:1], parent_idx[:1])
+            logits = forward_with_catch_up(self.runner, self.committed, token_ids[:1], parent_idx[:1])
             self.tentative_of[0] = m
         else:
             parents = torch.tensor([self.tentative_of[int(parent_idx[n])] for n in nodes])
@@ -157,7 +166,7 @@ class Verifier:
         self, committed: list[int], tree: DraftTree, rule: Rule, params: SamplingParams, generator: torch.Generator
     ) -> Verdict:
         t = time.perf_counter()
-        logits = _forward_with_catch_up(self.runner, committed, tree.token_ids, tree.parent_idx)  # [N, V]
+        logits = forward_with_catch_up(self.runner, committed, tree.token_ids, tree.parent_idx)  # [N, V]
         self.last_forward_s = time.perf_counter() - t
         target_probs = logits_to_probs(logits, params).to(tree.draft_probs.dtype)  # [N, V]
         verdict = verify(tree, target_probs, rule, generator)
@@ -169,7 +178,7 @@ class Verifier:
         return len(committed) - 1 - self.runner.cache_len
 
     def step_autoregressive(self, committed: list[int], params: SamplingParams, generator: torch.Generator) -> int:
-        logits = _forward_with_catch_up(self.runner, committed, torch.tensor(committed[-1:]), torch.tensor([-1]))
+        logits = forward_with_catch_up(self.runner, committed, torch.tensor(committed[-1:]), torch.tensor([-1]))
         token = int(sample(logits_to_probs(logits[0], params), generator))
         self.runner.commit(list(range(self._offset(committed) + 1)))
         return token
@@ -275,9 +284,26 @@ class Step:
     finishes: Callable[[list[int]], bool]  # whether committing these tokens ends the generation
 
 
-def _finishes(tokens: list[int], budget: int, eos_token_ids: tuple[int, ...]) -> bool:
+class Finish(Enum):
+    """Why a generation ended."""
+
+    EOS = "eos"  # an end-of-sequence token was committed
+    LENGTH = "length"  # the new-token budget is spent
+
+
+def cut_step(token_ids: list[int], budget: int, eos_token_ids: Collection[int]) -> tuple[list[int], Finish | None]:
+    """Cut a step's tokens at a generation's `budget` (new tokens left) and after its first EOS id.
+    Returns (the tokens to commit, why the generation ends with them, or None when it goes on)."""
+    new = list(token_ids[:budget])
+    for i, tok in enumerate(new):
+        if tok in eos_token_ids:
+            return new[: i + 1], Finish.EOS
+    return new, Finish.LENGTH if len(new) == budget else None
+
+
+def finishes(tokens: list[int], budget: int, eos_token_ids: Collection[int]) -> bool:
     """Whether committing `tokens` ends a generation with `budget` tokens left."""
-    return len(tokens) >= budget or any(t in eos_token_ids for t in tokens)
+    return cut_step(tokens, budget, eos_token_ids)[1] is not None
 
 
 class SpeculativeGenerator:
@@ -321,16 +347,12 @@ class SpeculativeGenerator:
                 stats.verify_s += time.perf_counter() - t
             else:
                 budget = max_new_tokens - (len(committed) - start)
-                finishes = partial(_finishes, budget=budget, eos_token_ids=eos_token_ids)
-                new = self._speculative_step(committed, method, params, seed, stats, finishes)
+                ends = partial(finishes, budget=budget, eos_token_ids=eos_token_ids)
+                new = self._speculative_step(committed, method, params, seed, stats, ends)
             stats.target_calls += 1
-            new = new[: max_new_tokens - (len(committed) - start)]
-            for i, tok in enumerate(new):
-                if tok in eos_token_ids:
-                    new = new[: i + 1]
-                    break
+            new, finish = cut_step(new, max_new_tokens - (len(committed) - start), eos_token_ids)
             committed += new
-            if new and new[-1] in eos_token_ids:
+            if finish is Finish.EOS:
                 break
         stats.new_tokens = len(committed) - start
         stats.total_s = time.perf_counter() - t0

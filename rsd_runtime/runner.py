@@ -6,7 +6,8 @@ Words used below:
                 committed ones, at [cache_len, cache_len + num_tentative), in the order they ran
 A tentative token attends to the whole committed prefix, its tentative ancestors and itself; its
 position is cache_len + its depth (a token whose parent is -1 has depth 0). commit() keeps one
-chain of tentative tokens and drops the others.
+chain of tentative tokens and drops the others; crop(length) drops committed tokens from `length` on.
+The K/V live in an rsd_runtime.kvcache.SequenceKVCache (one slot, written in place).
 
 Example: a prompt [a, b, c] then a draft tree with two candidates for the next token:
     runner.forward([a, b, c], [-1, 0, 1]); runner.commit([0, 1, 2])   # prefill, cache_len = 3
@@ -23,98 +24,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 from transformers import PreTrainedModel
-from transformers.cache_utils import Cache, CacheLayerMixin
 
 from rsd.tree import node_depths, tree_attention_mask
 from rsd_runtime.attention import check_model
-
-
-class TreeKVLayer(CacheLayerMixin):
-    """One layer's keys and values in buffers [1, H_kv, max_len, D], written in place.
-
-    `num_filled` counts committed plus tentative tokens; update() appends after them and returns
-    views of the filled part, so no step copies the whole cache (DynamicCache concatenates).
-    """
-
-    is_compileable = False
-    is_croppable = False
-
-    def __init__(self, max_len: int):
-        super().__init__()
-        self.max_len = max_len
-        self.num_filled = 0
-
-    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
-        # Sizes, dtype and device come from the first keys the layer sees: no config guessing.
-        _, num_heads, _, k_dim = key_states.shape
-        self.device = key_states.device
-        self.keys = key_states.new_zeros(1, num_heads, self.max_len, k_dim)  # [1, H_kv, max_len, D]
-        self.values = value_states.new_zeros(1, num_heads, self.max_len, value_states.shape[-1])
-        self.is_initialized = True
-
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        start, end = self.num_filled, self.num_filled + key_states.shape[-2]
-        self.keys[:, :, start:end] = key_states
-        self.values[:, :, start:end] = value_states
-        self.num_filled = end
-        return self.keys[:, :, :end], self.values[:, :, :end]  # [1, H_kv, end, D] views
-
-    def move(self, src_pos: Tensor, dst_start: int) -> None:
-        """Copy the K/V at positions `src_pos` to [dst_start, dst_start + len(src_pos))."""
-        if self.is_initialized:
-            dst = slice(dst_start, dst_start + src_pos.shape[0])
-            # index_select gathers into a new tensor first: sources and targets may overlap.
-            self.keys[:, :, dst] = self.keys.index_select(2, src_pos)
-            self.values[:, :, dst] = self.values.index_select(2, src_pos)
-
-    def truncate(self, length: int) -> None:
-        self.num_filled = length
-
-    def save(self, start: int) -> tuple[Tensor, Tensor] | None:
-        """Copies of the K/V at [start, num_filled)."""
-        if not self.is_initialized:
-            return None
-        return self.keys[:, :, start : self.num_filled].clone(), self.values[:, :, start : self.num_filled].clone()
-
-    def restore(self, start: int, saved: tuple[Tensor, Tensor] | None) -> None:
-        """Write back what save(start) copied; the layer then holds exactly what it held then."""
-        if saved is not None:
-            keys, values = saved
-            end = start + keys.shape[2]
-            self.keys[:, :, start:end] = keys
-            self.values[:, :, start:end] = values
-            self.num_filled = end
-        else:
-            self.num_filled = start
-
-    def reset(self) -> None:
-        self.num_filled = 0  # stale entries are overwritten before they are read
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.num_filled + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.num_filled
-
-    def get_max_length(self) -> int:
-        return self.max_len
-
-
-class TreeKVCache(Cache):
-    """A transformers Cache made of TreeKVLayer, one per decoder layer."""
-
-    def __init__(self, num_layers: int, max_len: int):
-        super().__init__(layers=[TreeKVLayer(max_len) for _ in range(num_layers)])
-
-    def move(self, src_pos: Tensor, dst_start: int) -> None:
-        for layer in self.layers:
-            layer.move(src_pos, dst_start)
-
-    def truncate(self, length: int) -> None:
-        for layer in self.layers:
-            layer.truncate(length)
+from rsd_runtime.kvcache import SequenceKVCache
 
 
 @dataclass(frozen=True)
@@ -139,7 +52,7 @@ class ModelRunner:
         self.vocab_size: int = config.vocab_size
         self.device = model.device
         self.dtype = model.dtype
-        self.cache = TreeKVCache(config.num_hidden_layers, max_len)
+        self.cache = SequenceKVCache(config.num_hidden_layers, max_len)
         self.cache_len = 0
         self._parents: list[int] = []  # per tentative token: index of its tentative parent, or -1
 
@@ -199,7 +112,7 @@ class ModelRunner:
                 use_cache=True,
             )
         except BaseException:
-            self.cache.truncate(self.cache_len + num_old)  # layers that ran already wrote K/V
+            self.cache.crop(self.cache_len + num_old)  # layers that ran already wrote K/V
             raise
         self._parents = all_parents
         return out.logits[0].float()  # [n, V]
@@ -210,10 +123,17 @@ class ModelRunner:
         child) right after the cache, and drop every other tentative token. [] drops them all."""
         keep = keep_idx.tolist() if isinstance(keep_idx, Tensor) else [int(i) for i in keep_idx]
         self._validate_chain(keep)
-        if keep != list(range(len(keep))):  # otherwise they already sit where they belong
-            self.cache.move(torch.tensor(keep, device=self.device) + self.cache_len, self.cache_len)
+        self.cache.commit(0, self.cache_len, keep)
         self.cache_len += len(keep)
-        self.cache.truncate(self.cache_len)  # the dropped tokens' K/V get overwritten later
+        self.cache.crop(self.cache_len)  # the dropped tokens' K/V get overwritten later
+        self._parents = []
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` committed tokens; drop the later ones and every tentative token."""
+        if not 0 <= length <= self.cache_len:
+            raise ValueError(f"crop length {length} must be in [0, cache_len={self.cache_len}]")
+        self.cache.crop(length)
+        self.cache_len = length
         self._parents = []
 
     def _validate_forward(self, token_ids: Tensor, parent_idx: Tensor) -> list[int]:

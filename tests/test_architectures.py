@@ -33,7 +33,7 @@ from tests.architectures import ARCHS, BY_NAME, WINDOW, save_pair
 from tests.test_generator import target_law_two_tokens
 from tests.test_runner import ATOL, assert_matches_paths, path, random_tree
 from tests.test_statistical import chi_square_pvalue
-from verifier_service.engine import BatchedVerifier, VerifyRequest
+from verifier_service.engine import VerifierPool, VerifyRequest
 
 EXACT = [a for a in ARCHS if not a.refused]
 REFUSED = [a for a in ARCHS if a.refused]
@@ -99,7 +99,7 @@ def test_window_ignored_is_caught(arch_root, arch):
 def test_packed_verifier_matches_per_path_causal(arch_root, arch):
     """Two sessions of different lengths in one packed forward: windows by position, not by slot."""
     _, model = _pair(arch_root, arch.name)
-    engine = BatchedVerifier(model, num_slots=2, max_len=64)
+    engine = VerifierPool(model, num_slots=2, max_len=64)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(4, 90, (k,), generator=gen).tolist() for k in (13, 8)]
     for step in range(2):  # the second step has a cached prefix in each slot
@@ -143,7 +143,7 @@ def test_refused_at_load_with_the_reason(arch_root, arch):
         ModelRunner(target, 64)
     assert arch.model_type in str(e.value)
     with pytest.raises(UnsupportedModelError, match=arch.refused):
-        BatchedVerifier(target, 2, 64)
+        VerifierPool(target, 2, 64)
 
 
 def test_gpt_neo_local_layers_exact_within_their_window(arch_root):

@@ -34,8 +34,9 @@ from rsd.methods import Method
 from rsd.sampling import SamplingParams
 from rsd.tree import DraftTree
 from rsd_runtime.generator import SpeculativeGenerator
-from rsd_runtime.models import load_model, load_tokenizer
+from rsd_runtime.models import load_model
 from rsd_runtime.runner import ModelRunner
+from rsd_runtime.tokenizer import load_tokenizer
 from rsd_tools.tiny import build_tiny_pair
 from rsd_wire import (
     GRPC_OPTIONS,

@@ -14,7 +14,8 @@ import torch
 
 from rsd.methods import Method
 from rsd.sampling import SamplingParams
-from rsd_runtime.generator import SpeculativeGenerator
+from rsd_runtime.generator import Finish, SpeculativeGenerator, cut_step, finishes
+from rsd_runtime.kvcache import common_prefix_length
 from rsd_runtime.models import load_model
 from rsd_runtime.runner import ModelRunner
 from rsd_tools.tiny import build_tiny_pair, build_tiny_vocab_pair
@@ -185,3 +186,19 @@ def test_pruned_draft_vocabulary_stays_exact(tmp_path):
     gen.drafter.runner.reset()
     tree = gen.drafter.draft(PROMPTS[0], Method.parse("rsd_s", "3x3"), SamplingParams(1.0), torch.Generator())
     assert (tree.draft_probs[:, 100:] == 0).all() and (tree.token_ids[1:] < 100).all()
+
+
+def test_cut_step_budget_and_eos():
+    """One cut for the in-process loop and the drafter service: at the budget, after the first EOS."""
+    assert cut_step([5, 6, 7], 5, {9}) == ([5, 6, 7], None)
+    assert cut_step([5, 6, 7], 2, {9}) == ([5, 6], Finish.LENGTH)
+    assert cut_step([5, 9, 7], 5, {9}) == ([5, 9], Finish.EOS)
+    assert cut_step([5, 9], 2, {9}) == ([5, 9], Finish.EOS)  # EOS wins over a budget it also spends
+    assert cut_step([5, 6, 9], 2, {9}) == ([5, 6], Finish.LENGTH)  # an EOS past the budget is never committed
+    assert [finishes(t, 3, (9,)) for t in ([5], [5, 9], [5, 6, 7, 8])] == [False, True, True]
+
+
+def test_common_prefix_length():
+    assert common_prefix_length([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert common_prefix_length([1, 2], [1, 2, 3]) == 2
+    assert common_prefix_length([], [1]) == 0

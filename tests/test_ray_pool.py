@@ -115,13 +115,14 @@ def ray_cluster():
 
 @pytest.fixture(scope="module")
 def cluster(ray_cluster, tmp_path_factory):
-    from deploy.ray_pool import VerifierPool
+    from deploy.ray_pool import ReplicaPool
     from drafter_service.config import DrafterConfig
     from drafter_service.server import create_server as create_drafter
     from gateway.config import GatewayConfig
     from gateway.server import create_server as create_gateway
     from gateway.store import RedisSessionStore
-    from rsd_runtime.models import load_model, load_tokenizer
+    from rsd_runtime.models import load_model
+    from rsd_runtime.tokenizer import load_tokenizer
     from rsd_tools.tiny import build_tiny_pair
     from tests.redis_server import redis_server
     from tests.test_gateway import LoopThread
@@ -136,7 +137,7 @@ def cluster(ray_cluster, tmp_path_factory):
         pool_config = PoolConfig(
             replicas=2, min_replicas=1, max_replicas=3, num_cpus_per_replica=1, window_s=1.0, drain_timeout_s=30
         )
-        pool = VerifierPool(verifier, pool_config)
+        pool = ReplicaPool(verifier, pool_config)
         pool.start(timeout_s=300)
         loop = LoopThread()
 

@@ -6,6 +6,8 @@ observed error is ~5e-6; a wrong mask or position moves logits by far more than 
 """
 
 import os
+import subprocess
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: tests never touch the hub
 
@@ -14,8 +16,9 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from rsd_runtime.models import cpu_has_native_bf16, load_model, load_tokenizer, parse_dtype
+from rsd_runtime.models import cpu_has_native_bf16, load_model, parse_dtype
 from rsd_runtime.runner import ModelRunner
+from rsd_runtime.tokenizer import load_tokenizer
 from rsd_tools.tiny import build_tiny_pair, build_tiny_vocab_pair
 
 ATOL = 1e-4
@@ -148,6 +151,24 @@ def test_reset_forgets_everything(model):
     assert runner.cache_len == 0 and runner.num_tentative == 0
     logits = runner.forward(torch.tensor([9, 10]), torch.tensor([-1, 0]))
     torch.testing.assert_close(logits[1], causal_logits(model, [9, 10]), atol=ATOL, rtol=0)
+
+
+def test_crop_keeps_a_prefix(model):
+    """crop(length) drops later committed tokens and every tentative one; the kept prefix still serves."""
+    runner = prefilled(model, [5, 6, 7, 8, 9])
+    runner.forward(torch.tensor([10]), torch.tensor([-1]))
+    runner.crop(3)
+    assert runner.cache_len == 3 and runner.num_tentative == 0
+    logits = runner.forward(torch.tensor([20, 21]), torch.tensor([-1, 0]))
+    assert_matches_paths(model, logits, [5, 6, 7], torch.tensor([20, 21]), [-1, 0])
+    with pytest.raises(ValueError, match="crop length"):
+        runner.crop(4)
+
+
+def test_tokenizer_module_imports_no_torch():
+    """The gateway loads tokenizers and holds no model: rsd_runtime.tokenizer must not pull torch in."""
+    code = "import sys, rsd_runtime.tokenizer; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

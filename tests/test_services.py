@@ -34,7 +34,7 @@ from tests.redis_server import redis_server
 from verifier_service import server as verifier_server
 from verifier_service.batcher import Batcher
 from verifier_service.config import VerifierConfig
-from verifier_service.engine import BatchedVerifier, UnknownSessionError, VerifyRequest
+from verifier_service.engine import UnknownSessionError, VerifierPool, VerifyRequest
 
 PROMPT = [2, 10, 11, 12, 13]
 MAX_LEN = 256
@@ -421,7 +421,7 @@ def test_idle_sessions_are_evicted_and_runs_cancel(models):
 
 def test_batcher_isolates_a_refused_request(models):
     vocab = models[1].config.vocab_size
-    engine = BatchedVerifier(models[1], num_slots=2, max_len=MAX_LEN)
+    engine = VerifierPool(models[1], num_slots=2, max_len=MAX_LEN)
     engine.attach("ok", PROMPT)
 
     async def main():
@@ -485,14 +485,24 @@ def test_verifier_death_mid_run_is_unavailable(models):
 def test_batcher_skips_the_wait_when_every_open_session_is_queued():
     """A lone session must not pay batch_wait_ms per step: with an hour-long wait configured, the
     gather returns at once when every session with an open stream has a tree queued."""
-    from verifier_service.batcher import Batcher, _Pending
+    from verifier_service.batcher import Batcher
     from verifier_service.engine import VerifyRequest
 
+    class Forwarded(Exception):
+        pass
+
+    class Engine:  # stands for the VerifierPool: says the forward ran
+        def verify_batch(self, requests):
+            raise Forwarded
+
     async def run() -> None:
-        batcher = Batcher(engine=None, max_batch_nodes=512, batch_wait_ms=3_600_000)
+        batcher = Batcher(Engine(), max_batch_nodes=512, batch_wait_ms=3_600_000)
         batcher.open_sessions = lambda: 1
-        request = VerifyRequest("a", [1, 2], None, None, None)
-        batcher._pending.append(_Pending(request, 3, lambda v, i: None, asyncio.get_running_loop().create_future()))
-        await asyncio.wait_for(batcher._gather_more(), timeout=60)
+        batcher.start()
+        try:
+            with pytest.raises(Forwarded):  # not a TimeoutError: the hour was not waited
+                await asyncio.wait_for(batcher.submit(VerifyRequest("a", [1, 2], None, None, None), 3, None), 60)
+        finally:
+            await batcher.stop()
 
     asyncio.run(run())

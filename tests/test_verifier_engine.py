@@ -16,17 +16,17 @@ from rsd_runtime.generator import (
     SpeculativeGenerator,
     Stream,
     Verifier,
-    _forward_with_catch_up,
+    forward_with_catch_up,
     step_generator,
 )
 from rsd_runtime.models import load_model
 from rsd_runtime.runner import ModelRunner
 from rsd_tools.tiny import build_tiny_pair
 from verifier_service.engine import (
-    BatchedVerifier,
     BatchVerifyError,
     PoolFullError,
     UnknownSessionError,
+    VerifierPool,
     VerifyRequest,
 )
 
@@ -71,7 +71,7 @@ def requests_for(committed: dict[str, list[int]], trees: dict[str, DraftTree], s
 def test_packed_step_matches_each_session_alone(pair):
     _, target = pair
     vocab = target.config.vocab_size
-    engine = BatchedVerifier(target, num_slots=4, max_len=64)
+    engine = VerifierPool(target, num_slots=4, max_len=64)
     sessions = ["a", "b", "c"]
     committed = dict(zip(sessions, [list(p) for p in PROMPTS], strict=True))
     alone = {s: ModelRunner(target, 64) for s in sessions}
@@ -87,7 +87,7 @@ def test_packed_step_matches_each_session_alone(pair):
         verdicts = engine.verify_batch(requests_for(committed, trees, seed=100 * step))
         for i, (s, req) in enumerate(zip(sessions, reqs, strict=True)):
             runner = alone[s]
-            ref_logits = _forward_with_catch_up(runner, committed[s], req.tree.token_ids, req.tree.parent_idx)
+            ref_logits = forward_with_catch_up(runner, committed[s], req.tree.token_ids, req.tree.parent_idx)
             runner.commit(list(range(runner.num_tentative - req.tree.num_nodes)))  # keep the chain only
             torch.testing.assert_close(packed[i], ref_logits, atol=ATOL, rtol=0)
             ref = Verifier(runner).verify(
@@ -115,7 +115,7 @@ def test_sessions_joining_and_leaving_match_generator(pair):
         .token_ids
         for s, (p, m, params, seed, _) in jobs.items()
     }
-    engine = BatchedVerifier(target, num_slots=3, max_len=128)
+    engine = VerifierPool(target, num_slots=3, max_len=128)
     engine.attach("warm-up", [2, 3])  # materialise the pool buffers, then check they are never replaced
     engine.verify_batch(
         [
@@ -166,7 +166,7 @@ def test_sessions_joining_and_leaving_match_generator(pair):
 
 def test_pool_full_unknown_session_and_release(pair):
     _, target = pair
-    engine = BatchedVerifier(target, num_slots=2, max_len=32)
+    engine = VerifierPool(target, num_slots=2, max_len=32)
     assert engine.attach("a", [2, 5, 6]) == 0
     assert engine.attach("b", [2, 7]) == 0
     with pytest.raises(PoolFullError):
@@ -187,7 +187,7 @@ def test_pool_full_unknown_session_and_release(pair):
 def test_attach_crops_and_bad_requests(pair):
     _, target = pair
     vocab = target.config.vocab_size
-    engine = BatchedVerifier(target, num_slots=2, max_len=16)
+    engine = VerifierPool(target, num_slots=2, max_len=16)
     committed = [2, 5, 6, 7, 8]
     engine.attach("a", committed)
     greedy = (RULES["greedy"], SamplingParams(0), _gen())
@@ -200,7 +200,7 @@ def test_attach_crops_and_bad_requests(pair):
     # After cropping the cache still gives the single-session logits.
     tree = random_tree(9, [-1, 0, 1], vocab, 2)
     packed = engine.score_batch([VerifyRequest("a", [2, 5, 9, 9], tree, *greedy)])[0]
-    ref = _forward_with_catch_up(ModelRunner(target, 16), [2, 5, 9, 9], tree.token_ids, tree.parent_idx)
+    ref = forward_with_catch_up(ModelRunner(target, 16), [2, 5, 9, 9], tree.token_ids, tree.parent_idx)
     torch.testing.assert_close(packed, ref, atol=ATOL, rtol=0)
 
     engine.attach("b", [2, 4])
@@ -226,12 +226,30 @@ def test_eager_attention_packed_logits(tmp_path_factory):
     _, target_dir = build_tiny_pair(tmp_path_factory.mktemp("tiny_eager"), "llama")
     target = load_model(target_dir, attn_implementation="eager")
     vocab = target.config.vocab_size
-    engine = BatchedVerifier(target, num_slots=3, max_len=32)
+    engine = VerifierPool(target, num_slots=3, max_len=32)
     reqs = []
     for i, (prompt, shape) in enumerate(zip(PROMPTS, SHAPES, strict=True)):
         engine.attach(str(i), prompt)
         reqs.append(VerifyRequest(str(i), prompt, random_tree(prompt[-1], shape, vocab, i), *RULE_PARAMS[0], _gen()))
     for req, packed in zip(reqs, engine.score_batch(reqs), strict=True):
         t = req.tree
-        ref = _forward_with_catch_up(ModelRunner(target, 32), req.committed_ids, t.token_ids, t.parent_idx)
+        ref = forward_with_catch_up(ModelRunner(target, 32), req.committed_ids, t.token_ids, t.parent_idx)
         torch.testing.assert_close(packed, ref, atol=ATOL, rtol=0)
+
+
+def test_generator_is_needed_only_when_sampling(pair):
+    """VerifyRequest.generator None is greedy's: same verdict as with one; sampling without one is refused."""
+    _, target = pair
+    vocab = target.config.vocab_size
+    engine = VerifierPool(target, num_slots=2, max_len=32)
+    tree = random_tree(6, [-1, 0, 0, 1], vocab, 3)
+    for s in ("none", "gen"):
+        engine.attach(s, [2, 5, 6])
+    greedy = (RULES["greedy"], SamplingParams(0))
+    with_none, with_gen = engine.verify_batch(
+        [VerifyRequest("none", [2, 5, 6], tree, *greedy), VerifyRequest("gen", [2, 5, 6], tree, *greedy, _gen(7))]
+    )
+    assert with_none == with_gen
+    assert engine.cached_length("none") == engine.cached_length("gen")
+    with pytest.raises(ValueError, match="needs a generator"):
+        engine.verify_batch([VerifyRequest("none", [2, 5, 6], tree, RULES["rrs"], SamplingParams(1.0))])

@@ -1,4 +1,4 @@
-"""Gathers the trees of many sessions into one BatchedVerifier.verify_batch call.
+"""Gathers the trees of many sessions into one VerifierPool.verify_batch call.
 
 Each Verify stream submits its session's VerifyRequest and awaits the verdict. One worker task
 takes the waiting requests in arrival order (at most max_batch_nodes new tokens, at least one
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from rsd.acceptance import Verdict
-from verifier_service.engine import BatchedVerifier, BatchVerifyError, VerifyRequest
+from verifier_service.engine import BatchVerifyError, VerifierPool, VerifyRequest
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -57,7 +57,7 @@ class _Pending:
 
 
 class Batcher:
-    def __init__(self, engine: BatchedVerifier, max_batch_nodes: int, batch_wait_ms: float, batching: bool = True):
+    def __init__(self, engine: VerifierPool, max_batch_nodes: int, batch_wait_ms: float, batching: bool = True):
         self.engine = engine
         self.max_batch_nodes = max_batch_nodes
         self.batch_wait_s = batch_wait_ms / 1000

@@ -1,6 +1,8 @@
-"""The batched verifier engine: many sessions' draft trees scored by ONE target forward.
+"""VerifierPool, the verifier service's engine: many sessions' draft trees scored by ONE target forward.
+(rsd_runtime.generator.Verifier is the single-session counterpart; names: rsd_runtime.generator's docstring.)
 
-Each session owns a slot of a preallocated KV pool: per layer, keys/values [num_slots, H_kv, max_len, D].
+Each session owns a slot of a preallocated KV pool (rsd_runtime.kvcache.SlotKVCache: per layer, keys/values
+[num_slots, H_kv, max_len, D]).
 Slot s holds the K/V of the session's committed tokens but the last one (the next tree's root), at
 positions [0, cached_len). One verify_batch call:
     1. flattens, per request, the catch-up chain (committed tokens not cached yet) and the tree into one
@@ -24,12 +26,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 from transformers import PreTrainedModel
-from transformers.cache_utils import Cache, CacheLayerMixin
 
 from rsd.acceptance import Rule, Verdict, verify
 from rsd.sampling import SamplingParams, logits_to_probs
 from rsd.tree import DraftTree, node_depths, tree_attention_mask, validate_tree
 from rsd_runtime.attention import check_model
+from rsd_runtime.kvcache import Segment, SlotKVCache, common_prefix_length
 from rsd_service.status import Exhausted, NotFound
 
 
@@ -58,92 +60,23 @@ class VerifyRequest:
     tree: DraftTree
     rule: Rule
     params: SamplingParams
+    # The step's acceptance draws: step_generator(seed, Stream.VERIFY, root position). Required when
+    # sampling (T > 0); None is greedy's (T = 0: every law is one-hot, so no draw decides anything).
     generator: torch.Generator | None = None
 
-
-@dataclass(frozen=True)
-class _Segment:
-    """One request's part of a packed forward."""
-
-    slot: int
-    cached: int  # K/V already in the slot: positions [0, cached)
-    start: int  # offset of its new tokens in the packed sequence
-    length: int  # new tokens: catch-up chain (m) + tree (N)
-
-
-class SlotKVLayer(CacheLayerMixin):
-    """One layer of the pool: keys/values [num_slots, H_kv, max_len, D], written in place.
-
-    For a packed call update() writes each segment's new K/V into its slot after its cached prefix and
-    returns K/V = cat(slot prefixes of every segment, then all new tokens) [1, H_kv, Σcached + T, D].
-    That concatenation copies the prefixes once per layer and step; a custom attention function
-    registered through transformers' AttentionInterface that reads the slot ids and lengths from the
-    forward's kwargs (and attends to the slots directly) would avoid it.
-    """
-
-    is_compileable = False
-    is_croppable = False
-
-    def __init__(self, pool: SlotKVCache):
-        super().__init__()
-        self.pool = pool
-
-    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
-        _, num_heads, _, k_dim = key_states.shape
-        n, max_len = self.pool.num_slots, self.pool.max_len
-        self.device = key_states.device
-        self.keys = key_states.new_zeros(n, num_heads, max_len, k_dim)  # [S, H_kv, max_len, D]
-        self.values = value_states.new_zeros(n, num_heads, max_len, value_states.shape[-1])
-        self.is_initialized = True
-
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        keys, values = [], []
-        for s in self.pool.segments:
-            new = slice(s.start, s.start + s.length)
-            dst = slice(s.cached, s.cached + s.length)
-            self.keys[s.slot, :, dst] = key_states[0, :, new]  # [H_kv, len, D]
-            self.values[s.slot, :, dst] = value_states[0, :, new]
-            keys.append(self.keys[s.slot, :, : s.cached])  # [H_kv, cached, D] view
-            values.append(self.values[s.slot, :, : s.cached])
-        keys.append(key_states[0])  # [H_kv, T, D]
-        values.append(value_states[0])
-        return torch.cat(keys, 1)[None], torch.cat(values, 1)[None]  # [1, H_kv, Σcached + T, D]
-
-    def move(self, slot: int, src_pos: Tensor, dst_start: int) -> None:
-        """Copy slot positions `src_pos` to [dst_start, dst_start + len(src_pos)) of the same slot."""
-        if self.is_initialized:
-            dst = slice(dst_start, dst_start + src_pos.shape[0])
-            # index_select gathers into a new tensor first: sources and targets may overlap.
-            self.keys[slot, :, dst] = self.keys[slot].index_select(1, src_pos)
-            self.values[slot, :, dst] = self.values[slot].index_select(1, src_pos)
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return sum(s.cached for s in self.pool.segments) + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return sum(s.cached for s in self.pool.segments)
-
-    def get_max_length(self) -> int:
-        return self.pool.max_len
+    def acceptance_generator(self) -> torch.Generator:
+        """The generator verify() draws from; raises ValueError when sampling has none."""
+        if self.generator is not None:
+            return self.generator
+        if not self.params.greedy:
+            raise ValueError(
+                f"session {self.session_id!r}: sampling at temperature {self.params.temperature} needs a generator"
+            )
+        return torch.Generator()  # greedy: its draws cannot change the verdict
 
 
-class SlotKVCache(Cache):
-    """A transformers Cache over the slot pool; `segments` describes the packed call in flight."""
-
-    def __init__(self, num_layers: int, num_slots: int, max_len: int):
-        self.num_slots, self.max_len = num_slots, max_len
-        self.segments: list[_Segment] = []
-        super().__init__(layers=[SlotKVLayer(self) for _ in range(num_layers)])
-
-    def move(self, slot: int, src_pos: Tensor, dst_start: int) -> None:
-        for layer in self.layers:
-            layer.move(slot, src_pos, dst_start)
-
-
-class BatchedVerifier:
-    """The target model of many sessions; see the module docstring."""
+class VerifierPool:
+    """The target model of many sessions, a KV slot each; see the module docstring."""
 
     def __init__(self, model: PreTrainedModel, num_slots: int, max_len: int):
         if num_slots < 1 or max_len < 1:
@@ -189,13 +122,8 @@ class BatchedVerifier:
 
     def _sync(self, slot: int, committed_ids: list[int]) -> int:
         """Crop the slot to its longest prefix equal to committed_ids[:-1] (a restarted run may differ)."""
-        cached, want = self._cached[slot], committed_ids[:-1]
-        n = 0
-        for a, b in zip(cached, want, strict=False):
-            if a != b:
-                break
-            n += 1
-        del cached[n:]
+        n = common_prefix_length(self._cached[slot], committed_ids[:-1])
+        del self._cached[slot][n:]
         return n
 
     # ---- the packed step ------------------------------------------------------------------------
@@ -207,7 +135,7 @@ class BatchedVerifier:
         for req, seg, lg in zip(requests, segments, logits, strict=True):
             try:
                 probs = logits_to_probs(lg, req.params).to(req.tree.draft_probs.dtype)  # [N, V]
-                verdict = verify(req.tree, probs, req.rule, req.generator)
+                verdict = verify(req.tree, probs, req.rule, req.acceptance_generator())
             except Exception as e:  # one bad tree must not cost the others their step
                 verdicts.append(None)
                 errors[req.session_id] = e
@@ -224,7 +152,7 @@ class BatchedVerifier:
         return self._forward(requests)[1]
 
     @torch.inference_mode()
-    def _forward(self, requests: list[VerifyRequest]) -> tuple[list[_Segment], list[Tensor]]:
+    def _forward(self, requests: list[VerifyRequest]) -> tuple[list[Segment], list[Tensor]]:
         self._validate(requests)
         ids, pos, rows, segments, start, cache_off = [], [], [], [], 0, 0
         for req in requests:
@@ -240,7 +168,7 @@ class BatchedVerifier:
             rows.append((cache_off, cached, own))
             ids += behind + req.tree.token_ids.tolist()
             pos.append(cached + torch.cat([torch.arange(m), m + node_depths(req.tree.parent_idx.cpu())]))  # [m + N]
-            segments.append(_Segment(slot, cached, start, m + n))
+            segments.append(Segment(slot, cached, start, m + n))
             start, cache_off = start + m + n, cache_off + cached
         total, device = start, self.model.device
         # Block-diagonal: a node of session i sees session i's cached prefix, chain and own ancestors only.
@@ -279,6 +207,7 @@ class BatchedVerifier:
             seen.add(req.session_id)
             if not req.committed_ids:
                 raise ValueError(f"session {req.session_id!r}: committed_ids is empty")
+            req.acceptance_generator()  # refuse a sampling request without one before the forward
             tree = req.tree
             validate_tree(tree.token_ids, tree.parent_idx, self.vocab_size)
             if int(tree.token_ids[0]) != req.committed_ids[-1]:
@@ -296,10 +225,9 @@ class BatchedVerifier:
                 )
 
     @torch.inference_mode()  # the pool buffers are inference tensors
-    def _commit(self, seg: _Segment, req: VerifyRequest, verdict: Verdict) -> None:
+    def _commit(self, seg: Segment, req: VerifyRequest, verdict: Verdict) -> None:
         """Keep chain + root + accepted nodes, contiguous after the old cached prefix."""
         m = seg.length - req.tree.num_nodes
         keep = list(range(m + 1)) + [m + n for n in verdict.accepted_idx]  # offsets inside the segment
-        if keep != list(range(len(keep))):
-            self.cache.move(seg.slot, torch.tensor(keep, device=self.model.device) + seg.cached, seg.cached)
+        self.cache.commit(seg.slot, seg.cached, keep)
         self._cached[seg.slot] = req.committed_ids + verdict.accepted_ids

@@ -32,7 +32,7 @@ from rsd_service.serving import (
 from rsd_wire import verifier_pb2_grpc
 from verifier_service.batcher import Batcher
 from verifier_service.config import VerifierConfig
-from verifier_service.engine import BatchedVerifier
+from verifier_service.engine import VerifierPool
 from verifier_service.servicer import VerifierServicer
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ class VerifierHandle:
     config: VerifierConfig
     verifier_id: str
     address: str
-    engine: BatchedVerifier
+    engine: VerifierPool
     batcher: Batcher
     servicer: VerifierServicer
     health: health.aio.HealthServicer
@@ -63,6 +63,29 @@ class VerifierHandle:
         if self.heartbeat is not None:
             await self.heartbeat.close()
             self.heartbeat = None
+
+    def load(self) -> tuple[int, int, int]:
+        """(sessions with an open Verify stream, sessions holding a KV slot, slots)."""
+        return self.servicer.num_open_streams, self.servicer.num_sessions, self.config.num_slots
+
+    async def drain_streams(self, timeout_s: float, settle_s: float = 0.5) -> int:
+        """Leave the registry, then wait until no Verify stream has been open for settle_s (or timeout_s).
+        Returns the sessions still streaming (0 = a clean drain); the server keeps running.
+
+        Sessions that merely hold a slot (finished turns kept for a continuation) are not waited for: no
+        gateway finds this verifier any more, so their next turn re-prefills elsewhere."""
+        await self.drain()
+        loop = asyncio.get_running_loop()
+        deadline, idle_since = loop.time() + timeout_s, None
+        while loop.time() < deadline:
+            if self.servicer.num_open_streams:
+                idle_since = None
+            elif idle_since is None:
+                idle_since = loop.time()
+            elif loop.time() - idle_since >= settle_s:  # a turn attached just before we left may still open one
+                break
+            await asyncio.sleep(0.05)
+        return self.servicer.num_open_streams
 
     async def close(self, server: grpc.aio.Server, grace_s: float | None = None) -> None:
         """Stop everything create_server started."""
@@ -85,7 +108,7 @@ async def create_server(
         model = await asyncio.to_thread(
             load_model, config.model, config.device, config.dtype, config.attn_implementation
         )
-    engine = BatchedVerifier(model, config.num_slots, config.max_len)
+    engine = VerifierPool(model, config.num_slots, config.max_len)
     batcher = Batcher(engine, config.max_batch_nodes, config.batch_wait_ms, config.batching)
     servicer = VerifierServicer(engine, batcher, config.verifier_id, config.max_tree_nodes, config.attach_grace_s)
     metrics = VerifierMetrics(servicer, batcher)

@@ -30,7 +30,7 @@ from rsd_service.status import RpcError, abort
 from rsd_wire import common_pb2, verifier_pb2, verifier_pb2_grpc
 from rsd_wire.convert import draft_tree_from_proto, generation_params_from_proto, verdict_to_proto
 from verifier_service.batcher import Batcher, BatchInfo
-from verifier_service.engine import BatchedVerifier, PoolFullError, UnknownSessionError, VerifyRequest
+from verifier_service.engine import PoolFullError, UnknownSessionError, VerifierPool, VerifyRequest
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +53,10 @@ class _Session:
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def __init__(
-        self, engine: BatchedVerifier, batcher: Batcher, verifier_id: str, max_tree_nodes: int, attach_grace_s: float
+        self, engine: VerifierPool, batcher: Batcher, verifier_id: str, max_tree_nodes: int, attach_grace_s: float
     ):
         self.engine, self.batcher = engine, batcher
-        batcher.open_sessions = lambda: len(self._open_streams)
+        batcher.open_sessions = lambda: self.num_open_streams
         self.verifier_id, self.max_tree_nodes = verifier_id, max_tree_nodes
         self.attach_grace_s = attach_grace_s  # VerifierConfig.attach_grace_s
         self.sessions: dict[str, _Session] = {}
@@ -65,7 +65,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     @property
     def num_sessions(self) -> int:
+        """Sessions holding a KV slot."""
         return len(self.sessions)
+
+    @property
+    def num_open_streams(self) -> int:
+        """Sessions with an open Verify stream that sent a tree (they may send more)."""
+        return len(self._open_streams)
 
     # ---- Attach ---------------------------------------------------------------------------------
     async def Attach(self, request: verifier_pb2.AttachRequest, context) -> verifier_pb2.AttachResponse:
