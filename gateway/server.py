@@ -63,7 +63,7 @@ def load_gateway_tokenizer(config: GatewayConfig) -> Any:
     if not config.tokenizer:
         raise ValueError("tokenizer: give the model folder whose tokenizer the gateway uses (--tokenizer DIR)")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from rsd_runtime.models import load_tokenizer
+    from rsd_runtime.tokenizer import load_tokenizer
 
     return load_tokenizer(config.tokenizer)
 

@@ -24,8 +24,9 @@ from rsd.methods import DEFAULT_SHAPES, METHOD_NAMES, Method
 from rsd.sampling import SamplingParams
 from rsd_runtime.attention import UnsupportedModelError
 from rsd_runtime.generator import GenerationResult, GenerationStats, SpeculativeGenerator
-from rsd_runtime.models import load_model, load_tokenizer, quantize_draft
+from rsd_runtime.models import load_model, quantize_draft
 from rsd_runtime.runner import ModelRunner
+from rsd_runtime.tokenizer import load_tokenizer
 from rsd_service.client import Generation, RsdClient
 from rsd_service.security import ClientSecurity
 

@@ -15,7 +15,6 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from rsd_runtime import DTYPE_NAMES, QUANTIZE_MODES
-from rsd_runtime.tokenizer import load_tokenizer  # noqa: F401  old name, kept for rsd_tools and tests
 
 log = logging.getLogger(__name__)
 

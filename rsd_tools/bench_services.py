@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     t_start = time.perf_counter()
 
-    from rsd_runtime.models import load_tokenizer
+    from rsd_runtime.tokenizer import load_tokenizer
 
     tiny_shape = {k: getattr(args, k) for k in ("vocab_size", "hidden_size", "num_layers", "draft_layers")}
     draft_dir, target_dir = model_dirs(args.draft, args.target, args.cache_dir, tiny=True, **tiny_shape)

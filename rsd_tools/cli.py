@@ -150,9 +150,10 @@ def generate(args) -> int:
     from rsd.sampling import SamplingParams
     from rsd_runtime.attention import UnsupportedModelError
     from rsd_runtime.generator import SpeculativeGenerator
-    from rsd_runtime.models import load_model, load_tokenizer, prune_draft_vocab, quantize_draft, use_small_batch_linear
+    from rsd_runtime.models import load_model, prune_draft_vocab, quantize_draft, use_small_batch_linear
     from rsd_runtime.predraft import PipelinedGenerator
     from rsd_runtime.runner import ModelRunner
+    from rsd_runtime.tokenizer import load_tokenizer
     from rsd_service.placement import apply_placement
     from rsd_tools.launcher import model_dirs
 

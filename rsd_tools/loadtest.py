@@ -248,7 +248,8 @@ class InProcess:
         from gateway.config import GatewayConfig
         from gateway.server import create_server as create_gateway
         from gateway.store import MemorySessionStore
-        from rsd_runtime.models import load_model, load_tokenizer
+        from rsd_runtime.models import load_model
+        from rsd_runtime.tokenizer import load_tokenizer
         from verifier_service.config import VerifierConfig
         from verifier_service.server import create_server as create_verifier
 

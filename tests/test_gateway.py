@@ -34,8 +34,9 @@ from gateway.text import Detokenizer, StopFilter
 from rsd.methods import Method
 from rsd.sampling import SamplingParams
 from rsd_runtime.generator import SpeculativeGenerator
-from rsd_runtime.models import load_model, load_tokenizer
+from rsd_runtime.models import load_model
 from rsd_runtime.runner import ModelRunner
+from rsd_runtime.tokenizer import load_tokenizer
 from rsd_service.client import RsdClient, build_params
 from rsd_service.status import RpcError
 from rsd_tools.tiny import build_tiny_pair

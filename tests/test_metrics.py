@@ -22,7 +22,8 @@ from drafter_service.server import create_server as create_drafter
 from gateway.config import GatewayConfig
 from gateway.server import create_server as create_gateway
 from gateway.store import MemorySessionStore
-from rsd_runtime.models import load_model, load_tokenizer
+from rsd_runtime.models import load_model
+from rsd_runtime.tokenizer import load_tokenizer
 from rsd_service.client import RsdClient
 from rsd_service.logs import ContextFilter, JsonFormatter, log_context
 from rsd_service.security import ClientSecurity

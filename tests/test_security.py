@@ -4,7 +4,7 @@ Certificates are made at test time (rsd_service.pki), in a temporary folder (a C
 127.0.0.1 / localhost, a client certificate, and a stranger's certificate from another CA): no key
 is ever committed. The secure cluster is the real verifier and drafter services plus the gateway,
 every hop over mTLS with the internal shared secret, the gateway's public API with a bearer token.
-The limits tests run the gateway over test_gateway's stack (a real drafter behind DrafterTap, which can slow steps down).
+The limits tests run the gateway over test_gateway's stack (the real drafter behind DrafterTap, which slows steps).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from drafter_service.server import create_server as create_drafter
 from gateway.config import GatewayConfig
 from gateway.server import create_server as create_gateway
 from gateway.store import MemorySessionStore
-from rsd_runtime.models import load_model, load_tokenizer
+from rsd_runtime.models import load_model
+from rsd_runtime.tokenizer import load_tokenizer
 from rsd_service.client import RsdClient
 from rsd_service.pki import make_ca, make_leaf, make_local_pki, write_pem
 from rsd_service.security import ClientSecurity, ServerSecurity, TokenInterceptor, channel, read_secret
