@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
-import redis
 import torch
 from grpc_health.v1 import health
 
@@ -24,9 +23,10 @@ from rsd_runtime.attention import UnsupportedModelError
 from rsd_runtime.models import load_model, prune_draft_vocab, quantize_draft
 from rsd_service.metrics import DrafterMetrics
 from rsd_service.placement import Placement, PlacementError, apply_placement
-from rsd_service.registry import RedisServiceRegistry, ServiceInfo
+from rsd_service.registry import ServiceInfo
 from rsd_service.serving import (
     Heartbeat,
+    RegisteredHandle,
     default_service_id,
     run_service,
     serve_until_signal,
@@ -39,7 +39,7 @@ SERVICE_NAME = "rsd.v1.Drafter"
 
 
 @dataclass
-class DrafterHandle:
+class DrafterHandle(RegisteredHandle):
     """What create_server started, for serve_until_signal, tests and the launcher."""
 
     config: DrafterConfig
@@ -56,17 +56,6 @@ class DrafterHandle:
     def service_info(self) -> ServiceInfo:
         capacity, load = self.config.max_sessions, self.engine.num_running
         return ServiceInfo("drafter", self.drafter_id, self.address, capacity, load)
-
-    async def drain(self) -> None:
-        """Leave the registry; running sessions finish during server.stop."""
-        if self.heartbeat is not None:
-            await self.heartbeat.close()
-            self.heartbeat = None
-
-    async def close(self, server: grpc.aio.Server, grace_s: float | None = None) -> None:
-        await self.drain()
-        await server.stop(grace_s)
-        self.metrics.close()
 
 
 async def create_server(
@@ -91,15 +80,7 @@ async def create_server(
     address = config.advertise_address or f"{config.host}:{port}"
     handle = DrafterHandle(config, drafter_id, address, engine, servicer, health_servicer, metrics)
     handle.placement, handle.quantize = placement, quantize
-    if config.redis_url:
-        store = RedisServiceRegistry(redis.Redis.from_url(config.redis_url), namespace=config.redis_namespace)
-        heartbeat = Heartbeat(store, handle.service_info, config.heartbeat_s, config.registration_ttl_s)
-        try:
-            await heartbeat.start()  # fail fast on a wrong URL
-        except Exception:
-            await handle.close(server, 0)
-            raise
-        handle.heartbeat = heartbeat
+    await handle.register(server, config)
     log.info(
         "drafter %s on %s: %d sessions, max_len %d, quantize %s, cores %s, %d threads",
         drafter_id,

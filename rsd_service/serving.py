@@ -30,6 +30,7 @@ from grpc_reflection.v1alpha import reflection
 
 from rsd_service.config import load_config
 from rsd_service.logs import LOG_FORMATS, log_context, setup_logging  # noqa: F401  (re-exported)
+from rsd_service.registry import RedisServiceRegistry
 from rsd_service.security import ClientSecurity, ServerSecurity, channel, server_security
 from rsd_wire import GRPC_OPTIONS, grpc_options
 
@@ -221,6 +222,47 @@ class Heartbeat:
                 await self._beat()
             except Exception as e:  # the registry is away for a moment: keep serving, retry next beat
                 logging.getLogger(__name__).warning("heartbeat of %s failed: %s", self.info().service_id, e)
+
+
+class RegisteredHandle:
+    """What a model service's handle (DrafterHandle, VerifierHandle) shares: its entry in the registry,
+    kept by a heartbeat while it serves, left on drain. The handle provides `service_info()` (its
+    current ServiceInfo), `metrics`, and `stop_parts()` for what it started besides the server."""
+
+    heartbeat: Heartbeat | None = None
+
+    def service_info(self) -> Any:
+        raise NotImplementedError
+
+    async def stop_parts(self) -> None:
+        """Stop what create_server started besides the gRPC server (the verifier's batcher)."""
+
+    async def register(self, server: grpc.aio.Server, config: Any) -> None:
+        """Join the registry at config.redis_url (none: a static cluster) and keep the entry alive; a wrong
+        URL fails here, at start, with everything started so far stopped again."""
+        if not config.redis_url:
+            return
+        registry = RedisServiceRegistry.from_url(config.redis_url, config.redis_namespace)
+        heartbeat = Heartbeat(registry, self.service_info, config.heartbeat_s, config.registration_ttl_s)
+        try:
+            await heartbeat.start()
+        except Exception:
+            await self.close(server, 0)
+            raise
+        self.heartbeat = heartbeat
+
+    async def drain(self) -> None:
+        """Leave the registry (new sessions go elsewhere); running ones finish during server.stop."""
+        if self.heartbeat is not None:
+            await self.heartbeat.close()
+            self.heartbeat = None
+
+    async def close(self, server: grpc.aio.Server, grace_s: float | None = None) -> None:
+        """Stop everything create_server started."""
+        await self.drain()
+        await server.stop(grace_s)
+        await self.stop_parts()
+        self.metrics.close()
 
 
 def default_service_id(role: str, host: str, port: int) -> str:

@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
-import redis
 import torch
 from grpc_health.v1 import health
 
@@ -21,9 +20,10 @@ from rsd_runtime.attention import UnsupportedModelError
 from rsd_runtime.models import load_model
 from rsd_service.metrics import VerifierMetrics
 from rsd_service.placement import Placement, PlacementError, apply_placement
-from rsd_service.registry import RedisServiceRegistry, ServiceInfo
+from rsd_service.registry import ServiceInfo
 from rsd_service.serving import (
     Heartbeat,
+    RegisteredHandle,
     default_service_id,
     run_service,
     serve_until_signal,
@@ -40,7 +40,7 @@ SERVICE_NAME = "rsd.v1.Verifier"
 
 
 @dataclass
-class VerifierHandle:
+class VerifierHandle(RegisteredHandle):
     """What create_server started, for serve_until_signal, tests and the launcher."""
 
     config: VerifierConfig
@@ -57,12 +57,6 @@ class VerifierHandle:
     def service_info(self) -> ServiceInfo:
         capacity, load = self.config.num_slots, self.servicer.num_sessions
         return ServiceInfo("verifier", self.verifier_id, self.address, capacity, load)
-
-    async def drain(self) -> None:
-        """Leave the registry (new sessions go elsewhere); in-flight streams finish during server.stop."""
-        if self.heartbeat is not None:
-            await self.heartbeat.close()
-            self.heartbeat = None
 
     def load(self) -> tuple[int, int, int]:
         """(sessions with an open Verify stream, sessions holding a KV slot, slots)."""
@@ -87,12 +81,8 @@ class VerifierHandle:
             await asyncio.sleep(0.05)
         return self.servicer.num_open_streams
 
-    async def close(self, server: grpc.aio.Server, grace_s: float | None = None) -> None:
-        """Stop everything create_server started."""
-        await self.drain()
-        await server.stop(grace_s)
+    async def stop_parts(self) -> None:
         await self.batcher.stop()
-        self.metrics.close()
 
 
 async def create_server(
@@ -120,15 +110,7 @@ async def create_server(
     batcher.start()
     handle = VerifierHandle(config, servicer.verifier_id, address, engine, batcher, servicer, health_servicer, metrics)
     handle.placement = placement
-    if config.redis_url:
-        store = RedisServiceRegistry(redis.Redis.from_url(config.redis_url), namespace=config.redis_namespace)
-        heartbeat = Heartbeat(store, handle.service_info, config.heartbeat_s, config.registration_ttl_s)
-        try:
-            await heartbeat.start()  # fail fast on a wrong URL
-        except Exception:
-            await handle.close(server, 0)
-            raise
-        handle.heartbeat = heartbeat
+    await handle.register(server, config)
     log.info(
         "verifier %s on %s: %d slots, max_len %d, cores %s, %d threads",
         handle.verifier_id,
