@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from rsd_runtime import DTYPE_NAMES, QUANTIZE_MODES
+from rsd_runtime import DTYPE_NAMES, QUANTIZE_MODES, small_gemm
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +53,13 @@ def load_model(
     dtype: str = "float32",
     attn_implementation: str = "auto",
     gguf_file: str | None = None,
+    small_batch_rows: int | None = None,
 ) -> PreTrainedModel:
     """A causal LM in eval mode with gradients off, on `device` (any torch device string).
+
+    small_batch_rows: linear layers over at most this many rows take use_small_batch_linear's path (on a
+    CPU with AVX2, rsd_runtime.small_gemm: a 6-token forward of a 1.5B target costs 1.4x one token instead
+    of 3.2x). None picks per device: 64 for float32 on a CPU, 0 (torch's F.linear) elsewhere.
 
     attn_implementation "auto" takes sdpa where the architecture has it, else eager (Gemma2, GPT-Neo,
     Bloom, MPT, XGLM have no sdpa path); the choice is logged and kept in model.config._attn_implementation.
@@ -73,18 +78,25 @@ def load_model(
                 raise
             model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager", **kwargs)
     model.to(torch.device(device)).eval().requires_grad_(False)
+    if small_batch_rows is None:
+        small_batch_rows = 64 if torch.device(device).type == "cpu" and model.dtype == torch.float32 else 0
+    if small_batch_rows:
+        use_small_batch_linear(model, small_batch_rows)
     log.info(
-        "loaded %s: %s, attention %s, %s on %s",
+        "loaded %s: %s, attention %s, %s on %s, small-batch linear %s",
         path,
         type(model).__name__,
         model.config._attn_implementation,
         model.dtype,
         device,
+        f"<= {small_batch_rows} rows ({'small_gemm' if small_gemm.available() else 'torch'})"
+        if small_batch_rows
+        else "off",
     )
     return model
 
 
-def use_small_batch_linear(model: torch.nn.Module, max_rows: int = 64) -> int:
+def use_small_batch_linear(model: torch.nn.Module, max_rows: int = 64, kernel: str = "auto") -> int:
     """Compute every nn.Linear as weight @ x.T when the input has at most max_rows rows.
 
     On CPU, F.linear with a handful of rows is far slower than the same product written the
@@ -98,13 +110,23 @@ def use_small_batch_linear(model: torch.nn.Module, max_rows: int = 64) -> int:
     8 rows (Qwen2.5-0.5B output layer, 3 rows: 18 ms vs 28 ms; whole 1.5B forward, 1 row: 174 vs
     218 ms) and the product the other way round only beyond (1.5B output layer, 32 rows: 50 vs
     42 ms), so 16-bit inputs take this path only above 8 rows.
+
+    kernel "auto" computes float32 rows with rsd_runtime.small_gemm where the CPU runs it (AVX2+FMA and a
+    compiler): it streams each weight once for all rows and gives a row the same value in any batch;
+    "torch" keeps the product above.
     """
+    if kernel not in ("auto", "torch"):
+        raise ValueError(f"kernel must be auto or torch, got {kernel!r}")
 
     def forward(self: torch.nn.Linear, x: Tensor) -> Tensor:
         rows = x.reshape(-1, x.shape[-1])  # [R, in]
         n = rows.shape[0]
         if n > self.small_batch_rows or (n <= 8 and x.dtype != torch.float32):
             return torch.nn.functional.linear(x, self.weight, self.bias)
+        if self.small_gemm and small_gemm.supports(rows, self.weight):
+            out = small_gemm.small_gemm(rows, self.weight)  # [R, out]: each weight read once for all rows
+            out = out + self.bias if self.bias is not None else out
+            return out.reshape(*x.shape[:-1], out.shape[-1])
         if n > 4 and n % 8:  # BLAS is much faster on a multiple of 8 columns: 13 rows cost more than 16
             rows = torch.cat([rows, rows.new_zeros(8 - n % 8, rows.shape[1])])
         out = (self.weight @ rows.T).T[:n]  # [R, out]
@@ -114,7 +136,7 @@ def use_small_batch_linear(model: torch.nn.Module, max_rows: int = 64) -> int:
 
     layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
     for layer in layers:
-        layer.small_batch_rows = max_rows
+        layer.small_batch_rows, layer.small_gemm = max_rows, kernel != "torch"
         layer.forward = forward.__get__(layer)
     return len(layers)
 
@@ -188,8 +210,9 @@ def quantize_draft(model: torch.nn.Module, mode: str, dtype: str = "float32") ->
     depend on which tokens share a forward: harmless for a drafter (its law is whatever it computed
     and sent), never acceptable for a verifier. CPU only; the model must be float32 or `dtype` "auto"
     (a bf16/fp16 model is converted to float32 for int8); an explicit bfloat16/float16 is refused.
-    Order with the other drafter options: prune_draft_vocab first, then this, then
-    use_small_batch_linear (which patches only the nn.Linear layers left: none after int8).
+    Order with the other drafter options: prune_draft_vocab first, then this (which replaces the float
+    layers, small-batch ones included), then use_small_batch_linear (patches only the nn.Linear layers
+    left: none after int8).
 
     "auto" picks int8 where it is faster on this device, by a quick measurement (int8_speedup: the
     model's own linear shapes at 1 and 4 rows, min over interleaved repetitions): int8 when its
@@ -221,6 +244,10 @@ def quantize_draft(model: torch.nn.Module, mode: str, dtype: str = "float32") ->
     check_model(model, PROBE_KEYS)
     from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
+    for m in model.modules():  # int8 layers replace the float ones: drop load_model's small-batch patch
+        if hasattr(m, "small_batch_rows"):
+            del m.forward, m.small_batch_rows, m.small_gemm
+
     with warnings.catch_warnings():  # torch 2.13 warns that torch.ao.quantization is deprecated
         warnings.simplefilter("ignore")
         quantize_dynamic(model, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True)
@@ -244,8 +271,6 @@ def int8_unsupported(model: torch.nn.Module, dtype: str = "float32") -> str:
         return "this torch has no torch.ao.quantization.quantize_dynamic"
     if getattr(model, "rsd_quantize", "none") != "none":
         return "the model is quantised already"
-    if any(hasattr(m, "small_batch_rows") for m in model.modules()):
-        return "the model has small-batch linear layers: quantise first, then use_small_batch_linear"
     return ""
 
 

@@ -18,13 +18,13 @@ from rsd.sampling import SamplingParams
 from rsd_runtime.generator import SpeculativeGenerator
 from rsd_runtime.models import (
     load_model,
-    load_tokenizer,
     prune_draft_vocab,
     quantize_draft,
     set_small_batch_rows,
     use_small_batch_linear,
 )
 from rsd_runtime.runner import ModelRunner
+from rsd_runtime.tokenizer import load_tokenizer
 from rsd_tools.bench.hf_assisted import run_hf_assisted
 from rsd_tools.bench.machine import model_info
 from rsd_tools.bench.planning import AR_DTYPES, BUDGET_CANDIDATES, Plan, Spec
