@@ -20,6 +20,7 @@ class Run:
     steps: list = field(default_factory=list)  # common_pb2.StepStats per delta
     arrivals: list[float] = field(default_factory=list)  # perf_counter at each delta
     num_steps: int = 0
+    delta_tokens: list[int] = field(default_factory=list)  # tokens committed by each delta (step)
 
 
 def gateway_run(
@@ -39,13 +40,15 @@ def gateway_run(
             max_new_tokens=max_new_tokens or args.max_new_tokens,
             seed=seed,
         )
-        arrivals = []
-        for _ in gen:
+        arrivals, delta_tokens = [], []
+        for delta in gen:
             arrivals.append(time.perf_counter())
+            delta_tokens.append(len(delta.token_ids))
         t1 = time.perf_counter()
     if gen.finished is None:
         raise RuntimeError("the gateway stream ended without a finish event")
-    return Run(list(gen.token_ids), t1 - t0, t0, t1, list(gen.steps), [t0, *arrivals], gen.finished.num_steps)
+    steps = list(gen.steps)
+    return Run(list(gen.token_ids), t1 - t0, t0, t1, steps, [t0, *arrivals], gen.finished.num_steps, delta_tokens)
 
 
 def concurrent_runs(

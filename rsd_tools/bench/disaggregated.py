@@ -1,0 +1,366 @@
+"""The benchmark that decides issue 13: the pipeline through the real services, drafter and verifier on
+cores of their own, against the target alone on the verifier's core and on the whole machine.
+
+    python -m rsd_tools.bench.disaggregated --name cpu-disaggregated                 # the real pair
+    python -m rsd_tools.bench.disaggregated --tiny --num-prompts 1 --max-new-tokens 8 --temperatures 0
+
+Per setting of pre-drafting (on, off) it starts a verifier (--verifier-cores, one thread, the target in
+--dtype), a drafter (--drafter-cores, one thread, --draft-quantize) and a gateway as processes, and runs
+every method x temperature x prompt through the gateway, one session at a time (a warm-up generation
+first). The target alone runs in a child process per placement (--ar-placements: the verifier's core,
+then the whole machine), same prompts, seeds and stop rule (the target's EOS, at most --max-new-tokens).
+
+Rows: method, shape, temperature, pipelined, tokens_per_s (all tokens / all wall time, prefill included,
+as for the target alone), block_efficiency with a 95% bootstrap interval over steps, predraft_hit_rate
+(steps whose tree was drafted ahead, first step excluded), matches_ar (T = 0: the same tokens as the
+target alone), speedup_vs_ar_same_core and speedup_vs_ar_whole_machine, and the per-step split (draft,
+transfer, queue, verify, residual). Writes <out-dir>/<name>.json, .md and -tokens-per-s.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rsd_tools.defaults import RESULTS_DIR
+
+SPLIT = ("draft_ms", "transfer_ms", "queue_ms", "verify_ms", "residual_ms", "step_ms")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m rsd_tools.bench.disaggregated", description=__doc__.split("\n")[0])
+    ap.add_argument("--draft", type=Path)
+    ap.add_argument("--target", type=Path)
+    ap.add_argument("--cache-dir", type=Path)
+    ap.add_argument("--tiny", action="store_true", help="the tiny Qwen2 pair (a smoke run)")
+    ap.add_argument("--methods", default="rsd_s:3x4;sd:4", help="';'-separated method:shape (default %(default)s)")
+    ap.add_argument("--temperatures", default="0,0.6,1")
+    ap.add_argument("--num-prompts", type=int, default=4)
+    ap.add_argument("--prompt-seed", type=int, default=0)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0, help="prompt i runs with seed + i")
+    ap.add_argument("--predraft", default="on,off", help="pre-drafting settings to run (on, off)")
+    ap.add_argument("--drafter-cores", default="0")
+    ap.add_argument("--verifier-cores", default="1")
+    ap.add_argument("--ar-placements", default="1;0-1", help="';'-separated cores for the target alone")
+    ap.add_argument("--dtype", default="float32", help="the target's dtype (verifier and target alone)")
+    ap.add_argument("--draft-quantize", default="int8", choices=("none", "int8"))
+    ap.add_argument("--max-len", type=int, default=1024)
+    ap.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples of the steps")
+    ap.add_argument("--start-timeout-s", type=float, default=900)
+    ap.add_argument("--name", default="cpu-disaggregated")
+    ap.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    ap.add_argument("--ar-worker", help=argparse.SUPPRESS)  # JSON job of the child process
+    return ap
+
+
+# ---------------------------------------------------------------------------------------------
+# The target alone, in a child process pinned to its cores
+
+
+def ar_worker(job: dict) -> None:
+    """Runs in the child: prints one JSON line per (prompt, temperature)."""
+    from rsd_service.placement import apply_placement
+
+    apply_placement(job["cores"], job["threads"])
+    from rsd.sampling import SamplingParams
+    from rsd_runtime.generator import SpeculativeGenerator
+    from rsd_runtime.models import load_model
+    from rsd_runtime.runner import ModelRunner
+
+    model = load_model(job["target"], "cpu", job["dtype"])
+    gen = SpeculativeGenerator(ModelRunner(model, job["max_len"]))
+    eos = tuple(job["eos"])
+    gen.generate(job["prompts"][0], None, SamplingParams(0.0), 4)  # warm-up
+    for t in job["temperatures"]:
+        for i, prompt in enumerate(job["prompts"]):
+            t0 = time.perf_counter()
+            out = gen.generate(prompt, None, SamplingParams(t), job["max_new_tokens"], eos, seed=job["seed"] + i)
+            wall = time.perf_counter() - t0
+            print(json.dumps({"temperature": t, "prompt": i, "token_ids": out.token_ids, "wall_s": wall}), flush=True)
+
+
+def run_ar(target: Path, cores: str, prompts: list[list[int]], eos: list[int], args) -> list[dict]:
+    threads = len(_cores(cores))
+    job = {
+        "target": str(target),
+        "cores": cores,
+        "threads": threads,
+        "dtype": args.dtype,
+        "max_len": args.max_len,
+        "prompts": prompts,
+        "eos": eos,
+        "temperatures": _temperatures(args),
+        "max_new_tokens": args.max_new_tokens,
+        "seed": args.seed,
+    }
+    cmd = [sys.executable, "-m", "rsd_tools.bench.disaggregated", "--ar-worker", json.dumps(job)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+def _cores(text: str) -> tuple[int, ...]:
+    from rsd_service.placement import parse_cores
+
+    return parse_cores(text)
+
+
+def _temperatures(args) -> list[float]:
+    return [float(t) for t in args.temperatures.split(",")]
+
+
+# ---------------------------------------------------------------------------------------------
+# The services
+
+
+def start_services(draft: Path, target: Path, args, predraft: bool, run_dir: Path):
+    from rsd_tools.launcher import (
+        Cluster,
+        drafter_command,
+        free_port,
+        gateway_command,
+        service_env,
+        verifier_command,
+        wait_all_ready,
+    )
+
+    cluster, env = Cluster(run_dir), service_env()
+    v_port, d_port, g_port = free_port(), free_port(), free_port()
+    common = ["--max-len", str(args.max_len), "--threads", "1", "--drain-s", "1"]
+    verifier = verifier_command(
+        v_port, target, "verifier-0", "--cores", args.verifier_cores, "--dtype", args.dtype, "--num-slots", "2", *common
+    )
+    drafter = drafter_command(
+        d_port, draft, "drafter-0", "--cores", args.drafter_cores, "--quantize", args.draft_quantize,
+        "--predraft", "true" if predraft else "false", "--max-sessions", "2", *common,
+    )  # fmt: skip
+    static = ["--drafters", f"drafter-0=127.0.0.1:{d_port}", "--verifiers", f"verifier-0=127.0.0.1:{v_port}"]
+    try:
+        cluster.spawn("verifier", verifier, env, f"127.0.0.1:{v_port}")
+        cluster.spawn("drafter", drafter, env, f"127.0.0.1:{d_port}")
+        cluster.spawn("gateway", gateway_command(g_port, target, *static, "--drain-s", "1"), env, f"127.0.0.1:{g_port}")
+        wait_all_ready(cluster.processes, args.start_timeout_s)
+    except BaseException:
+        cluster.stop(15.0, at_once=True)
+        raise
+    return cluster, f"127.0.0.1:{g_port}"
+
+
+def service_runs(address: str, prompts: list[list[int]], method: str, shape: str, t: float, args) -> list:
+    from rsd_tools.gateway_runs import gateway_run
+
+    opts = argparse.Namespace(method=method, shape=shape, max_new_tokens=args.max_new_tokens, request_timeout_s=3600)
+    return [gateway_run(address, p, opts, t, args.seed + i) for i, p in enumerate(prompts)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows
+
+
+def bootstrap_interval(per_step: list[int], resamples: int, seed: int = 0) -> list[float]:
+    """95% percentile interval of the mean of per_step (tokens per step) over `resamples` resamples."""
+    if not per_step:
+        return [float("nan"), float("nan")]
+    rng, n = random.Random(seed), len(per_step)
+    means = sorted(statistics.fmean(rng.choices(per_step, k=n)) for _ in range(resamples))
+    return [round(means[int(0.025 * resamples)], 3), round(means[min(int(0.975 * resamples), resamples - 1)], 3)]
+
+
+def service_row(method: str, shape: str, t: float, pipelined: bool, runs: list, ar: dict, args) -> dict:
+    from rsd_tools.gateway_runs import step_split
+
+    tokens = sum(len(r.token_ids) for r in runs)
+    wall = sum(r.wall_s for r in runs)
+    per_step = [n for r in runs for n in r.delta_tokens]
+    later = [s for r in runs for s in r.steps[1:]]
+    row = {
+        "method": method,
+        "shape": shape,
+        "temperature": t,
+        "pipelined": pipelined,
+        "tokens": tokens,
+        "tokens_per_s": round(tokens / wall, 4),
+        "block_efficiency": round(tokens / max(len(per_step), 1), 3),
+        "block_efficiency_ci95": bootstrap_interval(per_step, args.bootstrap),
+        "steps": len(per_step),
+        "predraft_hit_rate": round(sum(s.predraft_hit for s in later) / len(later), 3) if later else None,
+        "wasted_draft_forwards_per_step": round(sum(s.wasted_draft_forwards for s in later) / len(later), 3)
+        if later
+        else None,
+        "matches_ar": None,
+    }
+    same, whole = ar["same_core"][t], ar["whole_machine"][t]
+    if t == 0:
+        row["matches_ar"] = all(
+            r.token_ids == a["token_ids"][: len(r.token_ids)] and len(r.token_ids) == len(a["token_ids"])
+            for r, a in zip(runs, same["runs"], strict=True)
+        )
+    row["speedup_vs_ar_same_core"] = round(row["tokens_per_s"] / same["tokens_per_s"], 3)
+    row["speedup_vs_ar_whole_machine"] = round(row["tokens_per_s"] / whole["tokens_per_s"], 3)
+    row["split"] = {k: v for k, v in step_split(runs).items() if k in SPLIT}
+    return row
+
+
+def ar_summary(results: list[dict], temperatures: list[float]) -> dict:
+    out = {}
+    for t in temperatures:
+        runs = sorted((r for r in results if r["temperature"] == t), key=lambda r: r["prompt"])
+        tokens = sum(len(r["token_ids"]) for r in runs)
+        out[t] = {"tokens_per_s": round(tokens / sum(r["wall_s"] for r in runs), 4), "tokens": tokens, "runs": runs}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.ar_worker:
+        ar_worker(json.loads(args.ar_worker))
+        return 0
+    from rsd_runtime.tokenizer import load_tokenizer
+    from rsd_tools.bench.machine import machine_info
+    from rsd_tools.bench.prompts import stdlib_prompts
+    from rsd_tools.launcher import model_dirs
+
+    draft, target = model_dirs(args.draft, args.target, args.cache_dir, args.tiny)
+    tok = load_tokenizer(target)
+    texts = [p["prompt"] for p in stdlib_prompts(args.num_prompts, args.prompt_seed)]
+    prompts = [tok(text)["input_ids"] for text in texts]
+    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    temps = _temperatures(args)
+    methods = [m.split(":", 1) for m in args.methods.split(";")]
+    machine = machine_info()
+    log(f"{len(prompts)} prompts x {args.max_new_tokens} tokens, T {temps}, methods {args.methods}")
+
+    placements = args.ar_placements.split(";")
+    ar_runs = {}
+    for key, cores in zip(("same_core", "whole_machine"), placements, strict=True):
+        log(f"target alone on cores {cores}")
+        ar_runs[key] = {"cores": cores, "by_t": ar_summary(run_ar(target, cores, prompts, eos, args), temps)}
+    ar = {key: v["by_t"] for key, v in ar_runs.items()}
+
+    rows = []
+    for setting in args.predraft.split(","):
+        pipelined = setting == "on"
+        with tempfile.TemporaryDirectory(prefix="rsd-disagg-") as run_dir:
+            cluster, address = start_services(draft, target, args, pipelined, Path(run_dir))
+            try:
+                service_runs(address, prompts[:1], methods[0][0], methods[0][1], 0.0, _short(args))  # warm-up
+                for method, shape in methods:
+                    for t in temps:
+                        runs = service_runs(address, prompts, method, shape, t, args)
+                        rows.append(service_row(method, shape, t, pipelined, runs, ar, args))
+                        r = rows[-1]
+                        log(f"{method} {shape} T={t} predraft {setting}: {r['tokens_per_s']} tok/s, "
+                            f"BE {r['block_efficiency']}, hit {r['predraft_hit_rate']}, "
+                            f"x{r['speedup_vs_ar_whole_machine']} whole machine")  # fmt: skip
+            finally:
+                cluster.stop(15.0, at_once=True)
+    result = {
+        "complete": True,
+        "draft": str(draft),
+        "target": str(target),
+        "dtype": args.dtype,
+        "draft_quantize": args.draft_quantize,
+        "placement": {
+            "drafter_cores": args.drafter_cores,
+            "verifier_cores": args.verifier_cores,
+            "threads_per_service": 1,
+            "ar_same_core": placements[0],
+            "ar_whole_machine": placements[1],
+        },
+        "prompts": texts,
+        "max_new_tokens": args.max_new_tokens,
+        "machine": machine,
+        "loadavg_end": [round(x, 2) for x in __import__("os").getloadavg()],
+        "ar": {
+            key: {
+                "cores": v["cores"],
+                **{str(t): {k: s[k] for k in ("tokens_per_s", "tokens")} for t, s in v["by_t"].items()},
+            }
+            for key, v in ar_runs.items()
+        },
+        "rows": rows,
+    }
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.out_dir / f"{args.name}.md").write_text(markdown(result))
+    plot(result, args.out_dir / f"{args.name}-tokens-per-s.png")
+    print(markdown(result))
+    return 0
+
+
+def _short(args) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), "max_new_tokens": min(8, args.max_new_tokens)})
+
+
+def markdown(result: dict) -> str:
+    m, p = result["machine"], result["placement"]
+    lines = [
+        f"# The pipeline through the services vs the target alone ({Path(result['target']).name}, {result['dtype']})",
+        "",
+        f"Drafter on cores {p['drafter_cores']} ({Path(result['draft']).name}, quantize {result['draft_quantize']}), "
+        f"verifier on cores {p['verifier_cores']}, one thread each; {len(result['prompts'])} stdlib prompts x "
+        f"{result['max_new_tokens']} new tokens (the target's EOS stops earlier). CPU: {m['cpu_model']}, flags "
+        f"{' '.join(m['cpu_flags'])}; load {m['loadavg_start']} at the start, {result['loadavg_end']} at the end.",
+        "",
+        "| target alone | " + " | ".join(f"T={t}" for t in result["ar"]["same_core"] if t != "cores") + " |",
+        "| --- | " + " | ".join("---" for t in result["ar"]["same_core"] if t != "cores") + " |",
+    ]
+    for key, label in (("same_core", "verifier's core"), ("whole_machine", "whole machine")):
+        a = result["ar"][key]
+        cells = [f"{v['tokens_per_s']:.2f} tok/s" for t, v in a.items() if t != "cores"]
+        lines.append(f"| {label} (cores {a['cores']}) | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "| method | T | pre-drafting | tok/s | x same core | x whole machine | block efficiency [95% CI] | "
+        "pre-draft hits | matches target (T=0) | draft / transfer / queue / verify / residual ms per step |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in result["rows"]:
+        s = r["split"]
+        split = " / ".join(f"{s[k]:.0f}" if s.get(k) is not None else "-" for k in SPLIT[:-1])
+        lo, hi = r["block_efficiency_ci95"]
+        lines.append(
+            f"| {r['method']} {r['shape']} | {r['temperature']} | {'on' if r['pipelined'] else 'off'} | "
+            f"{r['tokens_per_s']:.2f} | {r['speedup_vs_ar_same_core']:.2f} | {r['speedup_vs_ar_whole_machine']:.2f} | "
+            f"{r['block_efficiency']:.2f} [{lo:.2f}, {hi:.2f}] | {r['predraft_hit_rate']} | "
+            f"{'' if r['matches_ar'] is None else r['matches_ar']} | {split} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temps = sorted({r["temperature"] for r in result["rows"]})
+    fig, axes = plt.subplots(1, len(temps), figsize=(4 * len(temps), 3.5), squeeze=False)
+    for ax, t in zip(axes[0], temps, strict=True):
+        rows = [r for r in result["rows"] if r["temperature"] == t]
+        labels = [f"{r['method']} {r['shape']}\n{'pipelined' if r['pipelined'] else 'plain'}" for r in rows]
+        ax.bar(range(len(rows)), [r["tokens_per_s"] for r in rows], color="tab:blue")
+        for key, style in (("same_core", "--"), ("whole_machine", ":")):
+            ax.axhline(result["ar"][key][str(t)]["tokens_per_s"], color="k", ls=style, label=f"target alone, {key}")
+        ax.set_xticks(range(len(rows)), labels, fontsize=7)
+        ax.set_title(f"T = {t}")
+        ax.set_ylabel("tokens/s")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def log(msg: str) -> None:
+    print(f"[disaggregated] {msg}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,26 @@
+"""The deciding benchmark's command runs end to end on the tiny pair: real services, the target alone in
+child processes, the row fields the issue asks for, and greedy output equal to the target's."""
+
+import json
+
+from rsd_tools.bench import disaggregated
+
+
+def test_bootstrap_interval_brackets_the_mean():
+    lo, hi = disaggregated.bootstrap_interval([1, 2, 3, 4, 5] * 10, 500)
+    assert lo < 3 < hi and hi - lo < 1.5
+    assert disaggregated.bootstrap_interval([2] * 7, 100) == [2, 2]
+
+
+def test_tiny_run_writes_every_field(tmp_path):
+    argv = ["--tiny", "--num-prompts", "1", "--max-new-tokens", "6", "--temperatures", "0", "--methods", "sd:2"]
+    argv += ["--predraft", "on", "--cache-dir", str(tmp_path / "cache"), "--out-dir", str(tmp_path), "--name", "d"]
+    assert disaggregated.main(argv) == 0
+    result = json.loads((tmp_path / "d.json").read_text())
+    assert result["complete"] is True and (tmp_path / "d.md").exists() and (tmp_path / "d-tokens-per-s.png").exists()
+    (row,) = result["rows"]
+    fields = {"method", "shape", "temperature", "pipelined", "tokens_per_s", "block_efficiency", "predraft_hit_rate"}
+    fields |= {"matches_ar", "speedup_vs_ar_same_core", "speedup_vs_ar_whole_machine", "block_efficiency_ci95"}
+    assert fields <= set(row)
+    assert row["matches_ar"] is True and row["pipelined"] is True
+    assert result["machine"]["cpu_flags"] is not None
