@@ -9,6 +9,10 @@ one loaded drafter/target pair. rsd_tools.bench.cli has the usage and the flags.
     machine      what the result records about the models and the machine
     run          one run: load the models, generate, write the result files
     cli          build_parser and main
+
+Two more benchmarks live here with their own commands: forward_cost (a target forward of n tokens
+against one, per linear kernel) and disaggregated (the pipeline through the real services, drafter and
+verifier on their own cores, against the target alone).
 """
 
 import os
