@@ -93,6 +93,7 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _failed: str | None = None
 _pool: ThreadPoolExecutor | None = None
+_pool_size = 0
 
 
 def _cpu_has_avx2_fma() -> bool:
@@ -156,7 +157,7 @@ def supports(x: Tensor, weight: Tensor) -> bool:
 def small_gemm(x: Tensor, weight: Tensor, threads: int | None = None) -> Tensor:
     """x [R, K] @ weight[N, K]^T -> [R, N] (float32, CPU; check `supports` first). `threads` (default
     torch's thread count) split the N output columns; each thread streams its own part of the weight."""
-    global _pool
+    global _pool, _pool_size
     x, weight = x.contiguous(), weight.contiguous()
     (rows, k), n = x.shape, weight.shape[0]
     y = torch.empty(rows, n, dtype=torch.float32)
@@ -165,8 +166,8 @@ def small_gemm(x: Tensor, weight: Tensor, threads: int | None = None) -> Tensor:
     if threads == 1:
         _lib.small_gemm(*args, 0, n)
         return y
-    if _pool is None or _pool._max_workers < threads:
-        _pool = ThreadPoolExecutor(threads, thread_name_prefix="small_gemm")
+    if _pool_size < threads:
+        _pool, _pool_size = ThreadPoolExecutor(threads, thread_name_prefix="small_gemm"), threads
     cuts = [(n * i // threads) & ~1 for i in range(threads)] + [n]  # even starts: the kernel pairs columns
     list(_pool.map(lambda i: _lib.small_gemm(*args, cuts[i], cuts[i + 1]), range(threads)))
     return y

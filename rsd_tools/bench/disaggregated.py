@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -277,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         "prompts": texts,
         "max_new_tokens": args.max_new_tokens,
         "machine": machine,
-        "loadavg_end": [round(x, 2) for x in __import__("os").getloadavg()],
+        "loadavg_end": [round(x, 2) for x in os.getloadavg()],
         "ar": {
             key: {
                 "cores": v["cores"],
