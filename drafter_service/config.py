@@ -50,6 +50,14 @@ class DrafterConfig(PeerTLSConfig, ModelServiceConfig):
     # same with it on or off; it costs draft forwards on trees that are never sent.
     predraft: bool = True
     predraft_outcomes: int = 4
+    # Batched drafting (rsd_runtime.packed): the draft forwards of all sessions drafting at once run as
+    # one forward (a level of a few tokens costs about one token's forward, so 8 sessions cost far
+    # less than 8 x one). A forward waits at most batch_wait_ms for sessions that are drafting but
+    # have not asked for their next forward yet, and packs at most max_batch_nodes tokens.
+    # batching=False runs each session's forwards on their own (benchmarks).
+    batching: bool = True
+    batch_wait_ms: float = 10.0
+    max_batch_nodes: int = 256
     attach_timeout_s: float = 30.0
     verify_timeout_s: float = 60.0
     verify_attempts: int = 3
@@ -64,6 +72,8 @@ class DrafterConfig(PeerTLSConfig, ModelServiceConfig):
             "quantize": self.quantize in QUANTIZE_MODES,
             "max_tree_nodes": 2 <= self.max_tree_nodes < self.max_len,
             "predraft_outcomes": self.predraft_outcomes >= 1,
+            "batch_wait_ms": self.batch_wait_ms >= 0,
+            "max_batch_nodes": self.max_batch_nodes >= 1,
             "attach_timeout_s": self.attach_timeout_s > 0,
             "verify_timeout_s": self.verify_timeout_s > 0,
             "verify_attempts": self.verify_attempts >= 1,

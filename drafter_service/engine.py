@@ -11,6 +11,8 @@ One run of a session at one epoch:
     3. loop: Drafter.draft (a worker thread), send the DraftTree, read the Verdict, Drafter.accept,
        emit the committed tokens (cut at max_new_tokens and after an EOS id), until the budget is
        spent, an EOS is committed, or the run is cancelled
+    With batched drafting (config.batching, on by default), the forwards of every session drafting at
+    the same moment run as one packed forward (rsd_runtime.packed.PackedForwards).
     With pre-drafting (config.predraft, on by default): while the verdict is awaited, a worker
     thread drafts the next tree for the likeliest verdicts (rsd_runtime.predraft.PreDrafter); a
     verdict that matches one sends its tree at once. It pre-drafts until the verdict is in, until
@@ -23,12 +25,14 @@ SpeculativeGenerator.generate with the same seed, token for token, pre-drafting 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import math
 import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -44,6 +48,7 @@ from rsd.tree import DraftTree
 from rsd_runtime.attention import check_model
 from rsd_runtime.generator import Drafter, Finish, Stream, cut_step, finishes, step_generator
 from rsd_runtime.kvcache import common_prefix_length
+from rsd_runtime.packed import PackedForwards
 from rsd_runtime.predraft import PreDrafter
 from rsd_runtime.runner import ModelRunner
 from rsd_service.security import channel, peer_security
@@ -134,6 +139,11 @@ class DrafterPool:
         self.last_attach: dict[str, verifier_pb2.AttachResponse] = {}  # session -> its latest AttachResponse
         self.verifier_security = peer_security(config)  # TLS and the internal token when dialing verifiers
         self.predraft_totals = PreDraftTotals()
+        self._threads = ThreadPoolExecutor(config.max_sessions, thread_name_prefix="draft")  # one per session
+        self.packer = None  # batched drafting: one forward for every session drafting at once
+        if config.batching:
+            max_kv = config.max_sessions * config.max_len
+            self.packer = PackedForwards(model, max_kv, config.max_batch_nodes, config.batch_wait_ms / 1e3)
 
     @property
     def num_running(self) -> int:
@@ -205,7 +215,8 @@ class DrafterPool:
         if job.max_new_tokens == 0:
             yield StepResult(start, [], None, common_pb2.FINISH_REASON_LENGTH)
             return
-        drafter = Drafter(slot.runner, self.config.proposal_top_k, self.config.proposal_top_p)
+        forward = self.packer.forward if self.packer is not None else ModelRunner.forward
+        drafter = Drafter(slot.runner, self.config.proposal_top_k, self.config.proposal_top_p, forward)
         ahead = _Ahead(self, slot, drafter, job) if self.config.predraft else None
         next_tree = None
         async with channel(job.verifier_address, self.verifier_security) as verifier_channel:
@@ -262,8 +273,18 @@ class DrafterPool:
     def _in_thread(self, slot: _Slot, fn, *args) -> asyncio.Future:
         """Run fn(*args) on the slot's runner in a worker thread; slot.drafting tracks it (a cancelled
         run waits for it before it lets go of the runner)."""
-        slot.drafting = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        # asyncio.to_thread's default pool holds min(32, cores + 4) threads: fewer than max_sessions on a small
+        # machine, and a session queued for a thread cannot join the others' packed forward.
+        call = partial(contextvars.copy_context().run, self._drafting, fn, *args)  # keeps the log context
+        slot.drafting = asyncio.get_running_loop().run_in_executor(self._threads, call)
         return asyncio.shield(slot.drafting)
+
+    def _drafting(self, fn, *args):
+        """fn(*args) in a worker thread; its draft forwards are packed with other sessions' (PackedForwards)."""
+        if self.packer is None:
+            return fn(*args)
+        with self.packer.drafting():
+            return fn(*args)
 
     async def _attach(self, stub: verifier_pb2_grpc.VerifierStub, job: RunJob) -> None:
         request = verifier_pb2.AttachRequest(

@@ -38,10 +38,16 @@ from rsd.acceptance import Rule, Verdict, verify
 from rsd.methods import Method
 from rsd.sampling import SamplingParams, logits_to_probs, sample, truncate
 from rsd.tree import DraftTree, path_to
-from rsd_runtime.runner import ModelRunner
+from rsd_runtime.runner import Forward, ModelRunner
 
 
-def forward_with_catch_up(runner: ModelRunner, committed: list[int], token_ids: Tensor, parent_idx: Tensor) -> Tensor:
+def forward_with_catch_up(
+    runner: ModelRunner,
+    committed: list[int],
+    token_ids: Tensor,
+    parent_idx: Tensor,
+    forward: Forward = ModelRunner.forward,
+) -> Tensor:
     """Run the committed tokens the runner has not cached yet (all but the last committed token) as a
     chain, then a tree whose node 0 is the last committed token. Returns the tree's logits [N, V].
     parent_idx [N] is the tree's (root -1); returns logits for the tree nodes only."""
@@ -52,7 +58,7 @@ def forward_with_catch_up(runner: ModelRunner, committed: list[int], token_ids: 
     ids = torch.tensor(behind + token_ids.tolist(), dtype=torch.long)
     chain = list(range(-1, m - 1))
     parents = torch.tensor(chain + [p + m if p >= 0 else m - 1 for p in parent_idx.tolist()], dtype=torch.long)
-    return runner.forward(ids, parents)[m:]
+    return forward(runner, ids, parents)[m:]
 
 
 def commit_path(
@@ -80,8 +86,9 @@ class ModelProposal:
         top_k: int = 0,
         top_p: float = 1.0,
         stop: Callable[[], bool] | None = None,
+        forward: Forward = ModelRunner.forward,
     ):
-        self.runner, self.committed, self.stop = runner, committed, stop
+        self.runner, self.committed, self.stop, self.forward = runner, committed, stop, forward
         # Greedy drafting ranks children by the plain softmax; its laws are never used for acceptance.
         self.params = SamplingParams(temperature=1.0) if params.greedy else params
         self.top_k, self.top_p = top_k, top_p  # drafter-side truncation of the proposal
@@ -95,12 +102,12 @@ class ModelProposal:
         if not self.tentative_of:  # first level: the root (plus any catch-up chain)
             assert nodes == [0], "the first proposal is asked at the root"
             m = len(self.committed) - 1 - self.runner.cache_len
-            logits = forward_with_catch_up(self.runner, self.committed, token_ids[:1], parent_idx[:1])
+            logits = forward_with_catch_up(self.runner, self.committed, token_ids[:1], parent_idx[:1], self.forward)
             self.tentative_of[0] = m
         else:
             parents = torch.tensor([self.tentative_of[int(parent_idx[n])] for n in nodes])
             base = self.runner.num_tentative
-            logits = self.runner.forward(token_ids[node_idx], parents)  # [F, V]
+            logits = self.forward(self.runner, token_ids[node_idx], parents)  # [F, V]
             self.tentative_of.update({n: base + i for i, n in enumerate(nodes)})
         self.num_forwards += 1
         return _same_prefix_same_law(self.law(logits), token_ids, parent_idx, nodes)
@@ -126,8 +133,10 @@ def _same_prefix_same_law(probs: Tensor, token_ids: Tensor, parent_idx: Tensor, 
 class Drafter:
     """The draft model of one session: drafts trees and follows the verdicts."""
 
-    def __init__(self, runner: ModelRunner, top_k: int = 0, top_p: float = 1.0):
-        self.runner, self.top_k, self.top_p = runner, top_k, top_p
+    def __init__(self, runner: ModelRunner, top_k: int = 0, top_p: float = 1.0, forward: Forward = ModelRunner.forward):
+        # forward: how the runner's forwards run (rsd_runtime.packed.PackedForwards.forward packs them
+        # with other sessions' in the drafter service)
+        self.runner, self.top_k, self.top_p, self.forward = runner, top_k, top_p, forward
         # The proposal of the last tree drafted (which tree nodes the runner ran): accept() commits
         # along it. rsd_runtime.predraft swaps it together with the runner's state.
         self.proposal: ModelProposal | None = None
@@ -142,7 +151,7 @@ class Drafter:
     ) -> DraftTree:
         """The next tree; generator: step_generator(seed, Stream.DRAFT, len(committed) - 1). stop is
         asked before each forward; when it says True the draft raises DraftStopped."""
-        self.proposal = ModelProposal(self.runner, committed, params, self.top_k, self.top_p, stop)
+        self.proposal = ModelProposal(self.runner, committed, params, self.top_k, self.top_p, stop, self.forward)
         return method.draft(self.proposal, committed[-1], generator, params.greedy, device="cpu")
 
     def accept(self, committed_before: list[int], verdict: Verdict) -> None:

@@ -191,7 +191,7 @@ class PreDrafter:
             return {}
         ran = self.sent.tentative_of
         parents = torch.tensor([ran[int(self.tree.parent_idx[n])] for n in leaves])
-        logits = self.runner.forward(self.tree.token_ids[leaves], parents)  # [F, V]
+        logits = self.drafter.forward(runner, self.tree.token_ids[leaves], parents)  # [F, V]
         self.num_forwards += 1
         self.runner.restore(self.base)
         return dict(zip(leaves, self.sent.law(logits), strict=True))

@@ -18,7 +18,7 @@ Example: a prompt [a, b, c] then a draft tree with two candidates for the next t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +39,17 @@ class RunnerState:
     cache_len: int
     parents: tuple[int, ...]
     layers: tuple[tuple[Tensor, Tensor] | None, ...]
+
+
+@dataclass(frozen=True)
+class PreparedForward:
+    """ModelRunner.prepare: one forward's n new tokens with their mask and positions, not run yet."""
+
+    token_ids: Tensor  # [n]
+    parents: list[int]  # [n] each token's tentative parent index, or -1
+    allowed: Tensor  # [n, cache_len + T] bool: what each new token may attend to (T tentative after it ran)
+    q_pos: Tensor  # [n] the new tokens' positions
+    k_pos: Tensor  # [cache_len + T] the keys' positions
 
 
 class ModelRunner:
@@ -86,6 +97,32 @@ class ModelRunner:
     def forward(self, token_ids: Tensor, parent_idx: Tensor) -> Tensor:
         """Run n new tentative tokens; parent_idx indexes all tentative tokens since the last commit
         (earlier calls first) or is -1 for a child of the last committed token. Returns [n, V] float32."""
+        return self.run(self.prepare(token_ids, parent_idx))
+
+    @torch.inference_mode()
+    def run(self, step: PreparedForward) -> Tensor:
+        """Run a forward prepared by prepare() (nothing ran on this runner since); -> logits [n, V] float32."""
+        dev = self.device
+        # Float additive masks (eager adds a bool mask as +1/+0, silently wrong), windows by position.
+        mask = self.plan.masks(step.allowed.to(dev), step.q_pos.to(dev), step.k_pos.to(dev), self.dtype)
+        try:
+            out = self.model(
+                input_ids=step.token_ids.to(dev, torch.long)[None],  # [1, n]
+                attention_mask=mask,
+                position_ids=step.q_pos[None].to(dev),  # [1, n]
+                cache=self.cache,
+                use_cache=True,
+            )
+        except BaseException:
+            self.undo()
+            raise
+        self.ran(step)
+        return out.logits[0].float()  # [n, V]
+
+    def prepare(self, token_ids: Tensor, parent_idx: Tensor) -> PreparedForward:
+        """Validate a forward's tokens and work out its mask and positions; nothing runs yet. The forward
+        itself (this runner's, or a packed one over many runners: rsd_runtime.packed) then writes the
+        new K/V through self.cache and calls ran(); on failure, undo()."""
         parents = self._validate_forward(token_ids, parent_idx)
         num_old = self.num_tentative
         all_parents = self._parents + parents
@@ -93,29 +130,19 @@ class ModelRunner:
         tree_parents = torch.tensor([-1] + [p + 1 for p in all_parents])  # [1 + T]
         new_rows = tree_attention_mask(tree_parents)[1 + num_old :, 1:]  # [n, T] bool
         tentative_pos = self.cache_len + node_depths(tree_parents)[1:] - 1  # [T]
-
-        n, kv_len = len(parents), self.cache_len + len(all_parents)
         # Every new token sees the whole committed prefix; only the tentative part varies.
-        allowed = torch.ones(n, kv_len, dtype=torch.bool)  # [n, cache_len + T]
+        allowed = torch.ones(len(parents), self.cache_len + len(all_parents), dtype=torch.bool)  # [n, cache_len + T]
         allowed[:, self.cache_len :] = new_rows
         key_pos = torch.cat([torch.arange(self.cache_len), tentative_pos])  # [cache_len + T]
-        position_ids = tentative_pos[num_old:][None]  # [1, n]
-        dev = self.device
-        # Float additive masks (eager adds a bool mask as +1/+0, silently wrong), windows by position.
-        mask = self.plan.masks(allowed.to(dev), position_ids[0].to(dev), key_pos.to(dev), self.dtype)
-        try:
-            out = self.model(
-                input_ids=token_ids.to(self.device, torch.long)[None],  # [1, n]
-                attention_mask=mask,
-                position_ids=position_ids.to(self.device),
-                cache=self.cache,
-                use_cache=True,
-            )
-        except BaseException:
-            self.cache.crop(self.cache_len + num_old)  # layers that ran already wrote K/V
-            raise
-        self._parents = all_parents
-        return out.logits[0].float()  # [n, V]
+        return PreparedForward(token_ids, parents, allowed, tentative_pos[num_old:], key_pos)
+
+    def ran(self, step: PreparedForward) -> None:
+        """The prepared forward ran: its tokens are tentative now."""
+        self._parents = self._parents + step.parents
+
+    def undo(self) -> None:
+        """A forward failed part way: drop the K/V its layers wrote already."""
+        self.cache.crop(self.cache_len + self.num_tentative)
 
     @torch.inference_mode()
     def commit(self, keep_idx: Tensor | Sequence[int]) -> None:
@@ -176,3 +203,8 @@ class ModelRunner:
                     f"expected {expected_parent}"
                 )
             expected_parent = i
+
+
+# How a drafter runs a runner's forward: ModelRunner.forward itself, or packed with other sessions'
+# (rsd_runtime.packed.PackedForwards.forward). (runner, token_ids [n], parent_idx [n]) -> logits [n, V].
+Forward = Callable[[ModelRunner, Tensor, Tensor], Tensor]

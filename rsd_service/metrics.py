@@ -189,6 +189,15 @@ class DrafterMetrics(ServiceMetrics):
         super().__init__("drafter")
         r = self.registry
         Gauge("rsd_drafter_running", "runs in progress", registry=r).set_function(lambda: engine.num_running)
+        # Batched drafting (rsd_runtime.packed): model forwards run, and the sessions' forwards they served.
+        packed = getattr(engine, "packer", None)
+        if packed is not None:
+            Gauge("rsd_drafter_packed_forwards", "draft model forwards run (packed)", registry=r).set_function(
+                lambda: packed.stats.forwards
+            )
+            Gauge(
+                "rsd_drafter_packed_session_forwards", "sessions' draft forwards those served", registry=r
+            ).set_function(lambda: packed.stats.calls)
         self.draft_seconds = Histogram(
             "rsd_drafter_draft_seconds", "drafting one tree", buckets=_LATENCY_BUCKETS, registry=r
         )

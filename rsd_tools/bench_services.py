@@ -10,9 +10,11 @@ thread each by default), so they share no GIL with this client or with each othe
 1. Overhead: the same prompts, seeds and settings through the in-process SpeculativeGenerator
    (this process, same torch threads) and through the gateway (one session at a time). Ratio =
    gateway tok/s / in-process tok/s; the token ids are compared too (they must match).
-2. Capacity: N concurrent sessions through the gateway, batching on, then the verifier restarted
-   with --batching false (same port). Aggregate tok/s = all tokens / wall time of the N sessions;
-   speedup = aggregate / aggregate with 1 session (same batching setting).
+2. Capacity: N concurrent sessions through the gateway, for each batching setting of --batching
+   (verifier/drafter: "on" = both batch; "on/off" = the drafter drafts each session on its own;
+   "off/off" = neither), the verifier and drafter restarted on their ports between settings.
+   Aggregate tok/s = all tokens / wall time of the N sessions; speedup = aggregate / aggregate
+   with 1 session (same batching setting).
 3. Step split, from the StepStats of every delta: draft_ms (drafter), queue_ms and verify_ms
    (VerifierStats.queue_ms / forward_ms: batched target forward + acceptance walk), transfer_ms =
    round_trip_ms - queue_ms - verify_ms (gRPC both ways, (de)serialisation, verifier servicer), and
@@ -70,19 +72,52 @@ def _verifier_name(batching: bool) -> str:
     return f"verifier-batching-{'on' if batching else 'off'}"
 
 
+def _drafter_name(batching: bool) -> str:
+    return f"drafter-batching-{'on' if batching else 'off'}"
+
+
+def _on_off(value: bool) -> str:
+    return "on" if value else "off"
+
+
+def parse_batching(text: str) -> list[tuple[bool, bool]]:
+    """--batching "on,on/off,off/off" -> [(verifier batching, drafter batching)], drafter "on" when omitted."""
+    flags = {"on": True, "off": False}
+    out = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        verifier, _, drafter = item.partition("/")
+        if verifier not in flags or (drafter or "on") not in flags:
+            raise SystemExit(f"--batching: {item!r} is not on|off[/on|off]")
+        out.append((flags[verifier], flags[drafter or "on"]))
+    if out and out[0] != (True, True):
+        raise SystemExit("--batching: the services start with batching on; list 'on' first")
+    return out
+
+
 @dataclass
 class Services:
     """The verifier, drafter and gateway processes (rsd_tools.launcher) and how to start the verifier again."""
 
     cluster: Cluster
     verifier_cmd: list[str]  # without --batching
+    drafter_cmd: list[str]  # without --batching
     gateway_address: str
+    batching: tuple[bool, bool] = (True, True)  # (verifier, drafter) as running
 
-    def restart_verifier(self, batching: bool, start_timeout_s: float) -> None:
-        """Stop the verifier and start it again on the same port (the gateway's static list holds it)."""
-        old = next(p for p in self.cluster.processes if p.name.startswith("verifier"))
-        cmd = [*self.verifier_cmd, "--batching", "true" if batching else "false"]
-        wait_all_ready([self.cluster.restart_with(old, _verifier_name(batching), cmd)], start_timeout_s)
+    def set_batching(self, batching: tuple[bool, bool], start_timeout_s: float) -> None:
+        """Restart the verifier and/or drafter whose batching differs, on the same ports (the gateway's
+        static lists hold them)."""
+        restarted = []
+        for role, cmd, on, was, name in (
+            ("verifier", self.verifier_cmd, batching[0], self.batching[0], _verifier_name),
+            ("drafter", self.drafter_cmd, batching[1], self.batching[1], _drafter_name),
+        ):
+            if on != was:
+                old = next(p for p in self.cluster.processes if p.name.startswith(role))
+                flag = ["--batching", "true" if on else "false"]
+                restarted.append(self.cluster.restart_with(old, name(on), [*cmd, *flag]))
+        wait_all_ready(restarted, start_timeout_s)
+        self.batching = batching
 
 
 def start_services(
@@ -103,14 +138,13 @@ def start_services(
     try:
         batching_flag = ["--batching", "true" if batching else "false"]
         cluster.spawn(_verifier_name(batching), [*verifier_cmd, *batching_flag], env, f"127.0.0.1:{v_port}")
-        cluster.spawn(
-            "drafter", drafter_command(d_port, draft_dir, "drafter-0", *drafter_flags), env, f"127.0.0.1:{d_port}"
-        )
+        drafter_cmd = drafter_command(d_port, draft_dir, "drafter-0", *drafter_flags)
+        cluster.spawn(_drafter_name(True), [*drafter_cmd, "--batching", "true"], env, f"127.0.0.1:{d_port}")
         cluster.spawn("gateway", gateway_command(g_port, target_dir, *static, *drain), env, f"127.0.0.1:{g_port}")
     except BaseException:
         cluster.stop(15.0)
         raise
-    return Services(cluster, verifier_cmd, f"127.0.0.1:{g_port}")
+    return Services(cluster, verifier_cmd, drafter_cmd, f"127.0.0.1:{g_port}")
 
 
 def wait_services(services: Services, timeout_s: float) -> None:
@@ -181,7 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-layers", type=int, default=8)
     ap.add_argument("--draft-layers", type=int, default=1)
     ap.add_argument("--sessions", default="1,4,8", help="concurrent sessions for the capacity part")
-    ap.add_argument("--batching", default="on,off", help="capacity part: verifier batching settings, in order")
+    ap.add_argument(
+        "--batching",
+        default="on,on/off,off/off",
+        help="capacity part: batching settings in order, each verifier[/drafter] on|off (drafter default on)",
+    )
     ap.add_argument("--overhead-only", action="store_true", help="skip the capacity part")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--num-prompts", type=int, default=3)
@@ -209,9 +247,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     args.tiny = args.tiny or not (args.draft or args.target)
     args.sessions = sorted({1, *(int(x) for x in args.sessions.split(",") if x)})
-    args.batching = [{"on": True, "off": False}[x.strip()] for x in args.batching.split(",") if x.strip()]
-    if args.batching and not args.batching[0]:
-        raise SystemExit("--batching: the services start with batching on; list 'on' first")
+    args.batching = parse_batching(args.batching)
     args.temperatures = [float(x) for x in args.temperatures.split(",") if x]
     return args
 
@@ -245,14 +281,14 @@ def overhead_row(temp: float, runs: list[Run], ref: list[tuple], parts: dict, in
 
 
 def measure_capacity(services: Services, prompts: list[list[int]], args, log) -> tuple[list[dict], list[dict]]:
-    """N concurrent sessions per batching setting (the verifier restarted between settings);
+    """N concurrent sessions per batching setting (services restarted between settings);
     -> (capacity rows, step split rows)."""
     address, capacity, split = services.gateway_address, [], []
     capacity_prompts = prompts * (max(args.sessions) // len(prompts) + 1)
-    for k, batching in enumerate(args.batching):
+    for k, (batching, draft_batching) in enumerate(args.batching):
         if k > 0:
-            log(f"restarting the verifier with --batching {str(batching).lower()}")
-            services.restart_verifier(batching, args.start_timeout_s)
+            log(f"batching: verifier {_on_off(batching)}, drafter {_on_off(draft_batching)} (restarting)")
+            services.set_batching((batching, draft_batching), args.start_timeout_s)
             gateway_run(address, prompts[0], args, 0.0, args.seed, max_new_tokens=8)  # warm-up
         cases = [(n, 0.0) for n in args.sessions] + [(max(args.sessions), 1.0)]
         base = None
@@ -266,6 +302,7 @@ def measure_capacity(services: Services, prompts: list[list[int]], args, log) ->
             capacity.append(
                 {
                     "batching": batching,
+                    "draft_batching": draft_batching,
                     "temperature": temp,
                     "sessions": n,
                     "tokens": tokens,
@@ -276,7 +313,7 @@ def measure_capacity(services: Services, prompts: list[list[int]], args, log) ->
                     "mean_batch_sessions": parts["mean_batch_sessions"],
                 }
             )
-            label = f"{n} session(s), T={temp:g}, batching {'on' if batching else 'off'}"
+            label = f"{n} session(s), T={temp:g}, batching {_on_off(batching)}/{_on_off(draft_batching)}"
             split.append({"run": label, **parts})
             log(f"capacity {label}: {agg:.1f} tok/s (x{agg / base:.2f})")
     return capacity, split
@@ -334,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append(gateway_run(address, prompt, args, temp, args.seed + i))
             parts = step_split(runs)
             overhead.append(overhead_row(temp, runs, ref, parts, interleave))
-            split.append({"run": f"overhead T={temp:g} (1 session, batching on)", **parts})
+            split.append({"run": f"overhead T={temp:g} (1 session, batching on/on)", **parts})
             log(f"overhead T={temp:g}: ratio {overhead[-1]['ratio']:.3f}")
         ip = None
         gc.collect()

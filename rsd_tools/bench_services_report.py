@@ -40,14 +40,17 @@ def render_md(report: dict) -> str:
     if report["capacity"]:
         lines += [
             "",
-            "## Verifier capacity (N concurrent sessions through the gateway)",
+            "## Capacity (N concurrent sessions through the gateway)",
+            "",
+            "Batching: verifier / drafter (on: one packed forward serves every session that is ready).",
             "",
             "| batching | T | sessions | tokens | wall s | aggregate tok/s | × 1 session | mean sessions/forward |",
             "|---|---|---|---|---|---|---|---|",
         ]
         for r in report["capacity"]:
+            on_off = "/".join("on" if r.get(k, True) else "off" for k in ("batching", "draft_batching"))
             lines.append(
-                f"| {'on' if r['batching'] else 'off'} | {r['temperature']:g} | {r['sessions']} | {r['tokens']} | "
+                f"| {on_off} | {r['temperature']:g} | {r['sessions']} | {r['tokens']} | "
                 f"{r['wall_s']:.2f} | {r['aggregate_tok_s']:.2f} | **{r['speedup_vs_1']:.2f}** | "
                 f"{r['mean_batch_sessions']} |"
             )

@@ -1,5 +1,6 @@
 """Smoke test of rsd_tools.bench_services on tiny models: the services start as processes, the
-three parts run (2 sessions, 8 tokens, batching on then off), and the JSON / Markdown have their fields.
+three parts run (2 sessions, 8 tokens, batching verifier/drafter on/on, on/off, off/off), and the JSON /
+Markdown have their fields.
 Through the gateway the tokens equal the in-process SpeculativeGenerator's (T=0 and T=1)."""
 
 import json
@@ -7,6 +8,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,6 +32,7 @@ OVERHEAD_KEYS = {
 }
 CAPACITY_KEYS = {
     "batching",
+    "draft_batching",
     "temperature",
     "sessions",
     "tokens",
@@ -59,7 +63,7 @@ def test_bench_services_smoke(tmp_path):
     cmd += ["--vocab-size", "256", "--hidden-size", "64", "--num-layers", "2", "--draft-layers", "1"]
     cmd += ["--sessions", "2", "--max-new-tokens", "8", "--num-prompts", "1", "--method", "rsd_s", "--shape", "2x3"]
     cmd += ["--name", "smoke", "--out-dir", str(tmp_path / "out"), "--run-dir", str(tmp_path / "logs")]
-    cmd += ["--start-timeout-s", "120"]
+    cmd += ["--start-timeout-s", "120", "--batching", "on,on/off,off/off"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -85,16 +89,26 @@ def test_bench_services_smoke(tmp_path):
         assert row["gateway_tokens"] == row["inprocess_tokens"] > 0
         assert row["ratio"] > 0 and row["est_ratio_from_split"] > 0  # timings: no bound (a loaded machine)
         assert row["interleaved"] is True  # tiny models: in-process and gateway runs alternate
-    # batching on then off: 1 and 2 sessions at T=0, then 2 sessions at T=1
-    cases = [(r["batching"], r["sessions"], r["temperature"]) for r in report["capacity"]]
-    assert cases == [(b, n, t) for b in (True, False) for n, t in ((1, 0.0), (2, 0.0), (2, 1.0))]
+    # batching (verifier, drafter) on/on, on/off, off/off: 1 and 2 sessions at T=0, then 2 sessions at T=1
+    cases = [(r["batching"], r["draft_batching"], r["sessions"], r["temperature"]) for r in report["capacity"]]
+    settings = ((True, True), (True, False), (False, False))
+    assert cases == [(v, d, n, t) for v, d in settings for n, t in ((1, 0.0), (2, 0.0), (2, 1.0))]
     for row in report["capacity"]:
         assert set(row) == CAPACITY_KEYS
         assert row["tokens"] == 8 * row["sessions"] and row["aggregate_tok_s"] > 0
     assert all(r["speedup_vs_1"] == 1.0 for r in report["capacity"] if r["sessions"] == 1)
     assert all(r["mean_batch_sessions"] == 1.0 for r in report["capacity"] if not r["batching"])
-    assert len(report["step_split"]) == 2 + 6
+    assert len(report["step_split"]) == 2 + 9
     for row in report["step_split"]:
         assert set(row) == SPLIT_KEYS
         assert row["draft_ms"] > 0 and row["verify_ms"] > 0 and row["num_steps"] > 0
-    assert "Distributed overhead" in md and "Verifier capacity" in md and "Time per step" in md
+    assert "Distributed overhead" in md and "Capacity" in md and "Time per step" in md
+
+
+def test_batching_settings_parse():
+    from rsd_tools.bench_services import parse_batching
+
+    assert parse_batching("on, on/off ,off/off,off") == [(True, True), (True, False), (False, False), (False, True)]
+    for bad in ("off,on", "on,maybe", "on,on/x"):
+        with pytest.raises(SystemExit):
+            parse_batching(bad)

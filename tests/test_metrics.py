@@ -135,6 +135,8 @@ def test_every_service_exports_its_metrics(cluster):
         assert total(d, "rsd_drafter_requests_total", method="Run", code="OK") == 1
         assert total(d, "rsd_drafter_draft_seconds_count") == steps and total(d, "rsd_drafter_draft_seconds_sum") > 0
         assert total(d, "rsd_drafter_running") == 0
+        # batched drafting (on by default): one session alone, so every packed forward served one forward
+        assert total(d, "rsd_drafter_packed_forwards") == total(d, "rsd_drafter_packed_session_forwards") > 0
         # pre-drafting (on by default; how much it does depends on timing): the gateway's step stats and
         # the drafter's counters agree
         assert total(d, "rsd_drafter_predraft_hits_total") == sum(s.predraft_hit for s in gen.steps)

@@ -157,14 +157,16 @@ def test_concurrent_sessions_are_packed_and_exact(models):
 
     async def main():
         cfg = {"batch_wait_ms": 20.0}
-        async with services(models, cfg, {"proposal_top_k": 16}) as (vhandle, _, stub, _):
+        async with services(models, cfg, {"proposal_top_k": 16}) as (vhandle, dhandle, stub, _):
             outs = await asyncio.gather(*(run(stub, vhandle, sid, p, committed=pr) for sid, (pr, p) in jobs.items()))
-            stats = vhandle.batcher.stats
+            stats, draft_stats = vhandle.batcher.stats, dhandle.engine.packer.stats
         for sid, (tokens, _) in zip(jobs, outs, strict=True):
             assert tokens == expected[sid], sid
         sessions_per_forward = [e.stats.verifier.batch_num_sessions for _, events in outs for e in events]
         assert max(sessions_per_forward) > 1
         assert stats.num_multi_session_forwards > 0 and stats.max_sessions > 1
+        # The drafter packed the sessions' draft forwards too (rsd_runtime.packed).
+        assert draft_stats.max_calls > 1 and draft_stats.forwards < draft_stats.calls
 
     asyncio.run(main())
 
