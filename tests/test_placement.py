@@ -134,6 +134,7 @@ def test_service_refuses_cores_it_may_not_use(tmp_path):
     """A core this process may not use: the service exits at once with the allowed list, no traceback."""
     _, target_dir = build_tiny_pair(tmp_path, "qwen2")
     missing = str(max(os.sched_getaffinity(0)) + 1)
+    # the gateway's tokenizer folder does not exist: the cores are refused before anything loads
     for service, args in (("verifier_service", ["--model", str(target_dir)]), ("gateway", ["--tokenizer", "t"])):
         cmd = [sys.executable, "-m", service, *args, "--cores", missing]
         out = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
