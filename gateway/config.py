@@ -23,7 +23,7 @@ class GatewayConfig(PeerTLSConfig, ServiceConfig):
     """rsd gateway: the public Generate / Cancel / GetSession API."""
 
     # Network, security (TLS of the public port; internal_token and peer_tls_* for dialing drafters
-    # and verifiers), limits and operations: rsd_service.config.
+    # and verifiers), limits, operations and placement (cores, pinned in main): rsd_service.config.
     port: int = 7000  # 0 picks a free port
     gateway_id: str = "gateway-0"  # in logs only
     tokenizer: str = ""  # model folder whose tokenizer encodes text input and decodes deltas (required)

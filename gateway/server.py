@@ -3,7 +3,7 @@
     server, port, handle = await create_server(config)   # port 0 picks one (tests)
     handle.http.base_url                                  # the OpenAI-compatible HTTP API (http_port >= 0)
     python -m gateway --tokenizer DIR --redis-url redis://127.0.0.1:6379/0 \\
-        --drafters d0=127.0.0.1:7002 --verifiers v0=127.0.0.1:7001
+        --drafters d0=127.0.0.1:7002 --verifiers v0=127.0.0.1:7001 --cores 0   # pinned to core 0 (main)
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from gateway.http_api import HttpApiServer, start_http_api
 from gateway.servicer import GatewayServicer
 from gateway.store import MemorySessionStore, RedisSessionStore, SessionStore
 from rsd_service.metrics import GatewayMetrics
+from rsd_service.placement import Placement, apply_placement
 from rsd_service.serving import load_config, serve_until_signal, setup_logging, start_service
 from rsd_wire import gateway_pb2_grpc
 
@@ -92,10 +93,10 @@ async def create_server(
     return server, port, handle
 
 
-async def serve(config: GatewayConfig) -> None:
+async def serve(config: GatewayConfig, placement: Placement) -> None:
     server, port, handle = await create_server(config)
     store = "redis " + config.redis_url if config.redis_url else "embedded store"
-    log.info("gateway %s serving on %s:%d (%s)", config.gateway_id, config.host, port, store)
+    log.info("gateway %s serving on %s:%d (%s), cores %s", config.gateway_id, config.host, port, store, placement.cores)
     print(f"gateway listening on {config.host}:{port}", flush=True)
     if handle.http is not None:
         log.info("OpenAI-compatible HTTP API at %s (model %s)", handle.http.base_url, handle.http.api.model_name)
@@ -112,9 +113,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = load_config(GatewayConfig, "gateway", sys.argv[1:] if argv is None else argv)
         if not config.tokenizer:
             raise ValueError("--tokenizer DIR is required: the model folder whose tokenizer the gateway uses")
-    except ValueError as e:
+        # Pin before the server, the store and the tokenizer start their threads (any already running
+        # move too). torch, imported by now through rsd.methods, runs nothing here; its pool gets the cores.
+        placement = apply_placement(config.cores)
+    except ValueError as e:  # a PlacementError too: cores this process may not use, named with the allowed ones
         print(f"error: {e}", file=sys.stderr)
         return 2
     setup_logging(config.log_format)
-    asyncio.run(serve(config))
+    asyncio.run(serve(config, placement))
     return 0

@@ -104,7 +104,8 @@ def use_small_batch_linear(model: torch.nn.Module, max_rows: int = 64, kernel: s
     and a draft tree or a tree verification is exactly a handful of rows; rows above 4 are padded to
     a multiple of 8 (on the same CPU, 13 rows 1430 ms per 1.5B forward, padded to 16: 894 ms). Zero
     rows change no other row, so results differ from F.linear only by float rounding. max_rows 0
-    switches the path off again (set_small_batch_rows). Returns the number of layers changed.
+    switches the path off again (set_small_batch_rows); set_linear_kernel picks the kernel afterwards.
+    Returns the number of layers changed.
 
     In bfloat16 (oneDNN's kernels, a CPU with AVX512-BF16) F.linear is the faster of the two up to
     8 rows (Qwen2.5-0.5B output layer, 3 rows: 18 ms vs 28 ms; whole 1.5B forward, 1 row: 174 vs
@@ -146,6 +147,30 @@ def set_small_batch_rows(model: torch.nn.Module, max_rows: int) -> None:
     for m in model.modules():
         if hasattr(m, "small_batch_rows"):
             m.small_batch_rows = max_rows
+
+
+LINEAR_KERNELS = ("f_linear", "torch", "small_gemm")
+
+
+def set_linear_kernel(model: torch.nn.Module, kernel: str, max_rows: int = 64) -> int:
+    """Switch the layers use_small_batch_linear patched to one kernel for inputs of at most max_rows rows,
+    so a benchmark compares kernels on one loaded model (rsd_tools.bench.forward_cost):
+
+        f_linear     torch's F.linear for any row count (max_rows 0)
+        torch        weight @ x.T (use_small_batch_linear's kernel "torch")
+        small_gemm   rsd_runtime.small_gemm where it takes the rows, else weight @ x.T (its kernel "auto")
+
+    All three agree up to float rounding. Returns the number of layers switched. A model with no patched
+    layer is refused for "torch" and "small_gemm": it would time F.linear under another kernel's name."""
+    if kernel not in LINEAR_KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(LINEAR_KERNELS)}, got {kernel!r}")
+    layers = [m for m in model.modules() if hasattr(m, "small_batch_rows")]
+    if not layers and kernel != "f_linear":
+        raise ValueError(f"kernel {kernel!r}: no linear layer of this model is patched (use_small_batch_linear)")
+    for layer in layers:
+        layer.small_batch_rows = 0 if kernel == "f_linear" else max_rows
+        layer.small_gemm = kernel == "small_gemm"
+    return len(layers)
 
 
 class PrunedLMHead(torch.nn.Module):

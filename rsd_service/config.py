@@ -5,7 +5,8 @@
     ModelServiceConfig     a service that holds a model (drafter, verifier): model, KV capacity, torch
                            threads, and its entry in the Redis registry
 
-ModelServiceConfig also places the process: `cores` and `threads` (rsd_service.placement).
+Every service places its process on `cores`; ModelServiceConfig adds torch's `threads`
+(rsd_service.placement).
 
 A base field reads like the service's own: RSD_<SERVICE>_<FIELD> env and a --field flag
 (load_config, below, walks dataclasses.fields, inherited ones included). A service
@@ -59,6 +60,11 @@ class ServiceConfig:
     # "text" or "json" (one object per line, with the call's session and request ids).
     metrics_port: int = 0
     log_format: str = "text"
+    # Placement (rsd_service.placement): the CPU cores this process may use, a Linux CPU list such as
+    # "0" or "0-1,3" ("" = any), applied to all its threads at start (a model service: before the model
+    # loads). The gateway takes one too: unpinned, its work lands on whichever core is free, often the
+    # verifier's, whose forward is the critical path.
+    cores: str = ""
 
     def checks(self) -> dict[str, bool]:
         """Field name -> whether its value is valid. Subclasses add theirs: {**super().checks(), ...}."""
@@ -72,6 +78,10 @@ class ServiceConfig:
         }
 
     def __post_init__(self) -> None:
+        try:
+            parse_cores(self.cores)  # the reason in the message: which part of the list does not parse
+        except ValueError as e:
+            raise ValueError(f"invalid {type(self).__name__}: {e}") from None
         bad = [name for name, ok in self.checks().items() if not ok]
         if bad:
             raise ValueError(f"invalid {type(self).__name__}: {', '.join(f'{n}={getattr(self, n)!r}' for n in bad)}")
@@ -107,18 +117,8 @@ class ModelServiceConfig(ServiceConfig):
     redis_namespace: str = "rsd"
     heartbeat_s: float = 2.0
     registration_ttl_s: float = 6.0
-    # Placement (rsd_service.placement): the CPU cores this process may use, a Linux CPU list such as
-    # "0" or "0-1,3" ("" = any), applied to all its threads before the model loads; torch intra-op
-    # threads (0 = one per given core, else torch's default).
-    cores: str = ""
+    # Torch intra-op threads (0 = one per given core, else torch's default); the cores: ServiceConfig.
     threads: int = 0
-
-    def __post_init__(self) -> None:
-        try:
-            parse_cores(self.cores)
-        except ValueError as e:
-            raise ValueError(f"invalid {type(self).__name__}: {e}") from None
-        super().__post_init__()
 
     def checks(self) -> dict[str, bool]:
         return {

@@ -120,9 +120,7 @@ def start_cluster(args: argparse.Namespace) -> Cluster:
     env = service_env()
     model_flags = ["--threads", str(args.threads)] if args.threads else []
     model_flags += ["--dtype", args.dtype]
-    verifier_flags = ["--cores", args.verifier_cores] if args.verifier_cores else []
-    drafter_flags = ["--cores", args.drafter_cores] if args.drafter_cores else []
-    drafter_flags += ["--quantize", args.draft_quantize] if args.draft_quantize != "none" else []
+    drafter_flags = ["--quantize", args.draft_quantize] if args.draft_quantize != "none" else []
     drafter_flags += [] if predraft_on(args) else ["--predraft", "false"]  # the drafter's default is on
     sec = cluster.security
 
@@ -139,12 +137,14 @@ def start_cluster(args: argparse.Namespace) -> Cluster:
             registry = ["--redis-url", cluster.redis_url]
         verifiers = []
         for i, port in enumerate(free_port() for _ in range(args.verifiers)):
-            flags = [*registry, *model_flags, *verifier_flags]
-            verifiers.append(spawn("verifier", i, port, verifier_command(port, target_dir, f"verifier-{i}", *flags)))
+            flags = [*registry, *model_flags]
+            cmd = verifier_command(port, target_dir, f"verifier-{i}", *flags, cores=args.verifier_cores)
+            verifiers.append(spawn("verifier", i, port, cmd))
         drafters = []
         for i, port in enumerate(free_port() for _ in range(args.drafters)):
             flags = [*registry, *model_flags, *drafter_flags]
-            drafters.append(spawn("drafter", i, port, drafter_command(port, draft_dir, f"drafter-{i}", *flags)))
+            cmd = drafter_command(port, draft_dir, f"drafter-{i}", *flags, cores=args.drafter_cores)
+            drafters.append(spawn("drafter", i, port, cmd))
         static = [] if registry else ["--drafters", ",".join(f"{p.name}={p.address}" for p in drafters)]
         static += [] if registry else ["--verifiers", ",".join(f"{p.name}={p.address}" for p in verifiers)]
         http_ports = [free_port() for _ in range(args.gateways)]
@@ -154,7 +154,8 @@ def start_cluster(args: argparse.Namespace) -> Cluster:
             port = free_port()
             flags = [*registry, *static, *http, "--http-port", str(http_port)]
             flags += ["--gateway-id", f"gateway-{i}"] if args.gateways > 1 else []
-            gateways.append(spawn("gateway", i, port, gateway_command(port, target_dir, *flags)))
+            cmd = gateway_command(port, target_dir, *flags, cores=args.gateway_cores)
+            gateways.append(spawn("gateway", i, port, cmd))
         cluster.gateway_address = gateways[0].address
         scheme = "https" if sec.tls_cert else "http"
         cluster.http_url = f"{scheme}://127.0.0.1:{http_ports[0]}/v1"
@@ -310,6 +311,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--verifier-cores", default="", help='CPU cores of every verifier, e.g. "1" or "2-3" (default: any)'
     )
     place.add_argument("--drafter-cores", default="", help='CPU cores of every drafter, e.g. "0" (default: any)')
+    place.add_argument(
+        "--gateway-cores",
+        default="",
+        help='CPU cores of every gateway, e.g. "0" (default: any; keep off the verifier\'s)',
+    )
     place.add_argument(
         "--draft-quantize",
         default="none",

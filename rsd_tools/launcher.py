@@ -10,8 +10,9 @@ log in a run directory. Used by `rsd cluster` (rsd_tools.cluster), the service b
     cluster.stop()
 
 One function per role builds a service's command line (verifier_command, drafter_command,
-gateway_command, redis_command); ClusterSecurity adds the security flags of a role and says how the
-launcher reaches a secured service. model_dirs resolves the (draft, target) folders every tool asks for.
+gateway_command, redis_command; `cores=` puts a service on CPU cores); ClusterSecurity adds the
+security flags of a role and says how the launcher reaches a secured service. model_dirs resolves the
+(draft, target) folders every tool asks for.
 """
 
 from __future__ import annotations
@@ -87,23 +88,26 @@ def service_env() -> dict[str, str]:
     return env
 
 
-def _python_module(module: str, port: int, flags: list[str]) -> list[str]:
-    return [sys.executable, "-m", module, "--port", str(port), *flags]
+def _python_module(module: str, port: int, flags: list[str], cores: str) -> list[str]:
+    placement = ["--cores", cores] if cores else []  # "" = any core: the service's default, no flag
+    return [sys.executable, "-m", module, "--port", str(port), *placement, *flags]
 
 
-def verifier_command(port: int, model: str | Path, verifier_id: str, *flags: str) -> list[str]:
-    """`python -m verifier_service` serving `model` on `port`, registered as verifier_id."""
-    return _python_module("verifier_service", port, ["--model", str(model), *flags, "--verifier-id", verifier_id])
+def verifier_command(port: int, model: str | Path, verifier_id: str, *flags: str, cores: str = "") -> list[str]:
+    """`python -m verifier_service` serving `model` on `port`, registered as verifier_id, on `cores`."""
+    args = ["--model", str(model), *flags, "--verifier-id", verifier_id]
+    return _python_module("verifier_service", port, args, cores)
 
 
-def drafter_command(port: int, model: str | Path, drafter_id: str, *flags: str) -> list[str]:
-    """`python -m drafter_service` serving `model` on `port`, registered as drafter_id."""
-    return _python_module("drafter_service", port, ["--model", str(model), *flags, "--drafter-id", drafter_id])
+def drafter_command(port: int, model: str | Path, drafter_id: str, *flags: str, cores: str = "") -> list[str]:
+    """`python -m drafter_service` serving `model` on `port`, registered as drafter_id, on `cores`."""
+    args = ["--model", str(model), *flags, "--drafter-id", drafter_id]
+    return _python_module("drafter_service", port, args, cores)
 
 
-def gateway_command(port: int, tokenizer: str | Path, *flags: str) -> list[str]:
-    """`python -m gateway` on `port` with the target's tokenizer."""
-    return _python_module("gateway", port, ["--tokenizer", str(tokenizer), *flags])
+def gateway_command(port: int, tokenizer: str | Path, *flags: str, cores: str = "") -> list[str]:
+    """`python -m gateway` on `port` with the target's tokenizer, on `cores`."""
+    return _python_module("gateway", port, ["--tokenizer", str(tokenizer), *flags], cores)
 
 
 def redis_command(redis_server: str, port: int, run_dir: Path) -> list[str]:

@@ -308,7 +308,7 @@ def test_model_paths_are_in_the_model_volume(compose, services):
 def test_gpu_and_cpu_profiles_set_the_same_fields(services):
     gpu, cpu = _by_module(services, "gpu"), _by_module(services, "cpu")
     for module in SERVICES:
-        assert set(gpu[module]) == set(cpu[module]) - {"threads"}, module
+        assert set(gpu[module]) == set(cpu[module]) - {"threads", "cores"}, module  # CPU placement: cpu only
 
 
 def test_cpu_models_job_builds_the_pair_the_cpu_services_load(services, tmp_path, monkeypatch, capsys):
@@ -336,8 +336,8 @@ class _FakePopen:
         return 0
 
 
-def _launch(monkeypatch, tmp_path) -> list[tuple[str, list[str]]]:
-    """The processes `rsd cluster --tiny` starts (with redis-server present), recorded instead of run;
+def _launch(monkeypatch, tmp_path, flags: tuple[str, ...] = ()) -> list[tuple[str, list[str]]]:
+    """The processes `rsd cluster --tiny [flags]` starts (with redis-server present), recorded instead of run;
     its model cache is tmp_path/models."""
     spawned: list[tuple[str, list[str]]] = []
 
@@ -354,7 +354,7 @@ def _launch(monkeypatch, tmp_path) -> list[tuple[str, list[str]]]:
     monkeypatch.setattr(cluster_mod.shutil, "which", lambda name: f"/usr/bin/{name}")
     monkeypatch.setattr(launcher, "redis_pings", lambda url: True)
     monkeypatch.setattr(launcher, "wait_ready", ready)
-    argv = ["--tiny", "--cache-dir", str(tmp_path / "models"), "--run-dir", str(tmp_path)]
+    argv = ["--tiny", "--cache-dir", str(tmp_path / "models"), "--run-dir", str(tmp_path), *flags]
     args = cluster_mod.build_parser().parse_args(argv)  # builds the tiny pair into tmp_path/models
     cluster_mod.start_cluster(args).stop()
     return spawned
@@ -393,3 +393,17 @@ def test_launcher_starts_the_cpu_profile_topology(services, monkeypatch, tmp_pat
             if field in launcher:
                 rel = "/".join(Path(launcher[field]).relative_to(tmp_path / "models").parts)
                 assert composed[field] == f"{MODEL_CACHE}/{rel}", f"{name}: {field}"
+
+
+def test_launcher_puts_each_service_on_its_cores(services, monkeypatch, tmp_path):
+    """`rsd cluster --verifier-cores 1 --drafter-cores 0 --gateway-cores 0`: each command line carries its
+    --cores (the RSD_<SERVICE>_CORES of the compose cpu profile), which the service's config accepts."""
+    flags = ("--verifier-cores", "1", "--drafter-cores", "0", "--gateway-cores", "0")
+    spawned = dict(_launch(monkeypatch, tmp_path, flags))
+    cpu = _by_module(services, "cpu")
+    for name, cores in (("verifier", "1"), ("drafter", "0"), ("gateway", "0")):
+        argv = spawned[name]
+        module = argv[argv.index("-m") + 1]
+        cls, service, _ = SERVICES[module]
+        assert "cores" in cpu[module], f"compose's {service} takes no RSD_{service.upper()}_CORES"
+        assert load_config(cls, service, argv[argv.index("-m") + 2 :], env={}).cores == cores, name

@@ -24,3 +24,5 @@ def test_tiny_run_writes_every_field(tmp_path):
     assert fields <= set(row)
     assert row["matches_ar"] is True and row["pipelined"] is True
     assert result["machine"]["cpu_flags"] is not None
+    placement = result["placement"]  # the gateway sits on the drafter's core unless told otherwise
+    assert (placement["drafter_cores"], placement["verifier_cores"], placement["gateway_cores"]) == ("0", "1", "0")

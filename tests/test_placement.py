@@ -1,6 +1,6 @@
 """Placement (rsd_service.placement): core lists are validated at the edge, and a started service
-process really runs on the cores it was given (every thread: /proc/PID/task/*/status), with one
-torch thread per core unless told otherwise."""
+process (verifier, drafter, gateway) really runs on the cores it was given (every thread:
+/proc/PID/task/*/status), a model service with one torch thread per core unless told otherwise."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from drafter_service.config import DrafterConfig
+from gateway.config import GatewayConfig
 from rsd_service.placement import format_cores, parse_cores
-from rsd_service.serving import wait_healthy
+from rsd_service.serving import load_config, wait_healthy
 from rsd_tools.tiny import build_tiny_pair
 from verifier_service.config import VerifierConfig
 
@@ -40,9 +41,19 @@ def test_parse_cores(text, cores):
 def test_bad_core_lists_are_refused_with_the_reason(text, reason):
     with pytest.raises(ValueError, match=reason):
         parse_cores(text)
-    for config in (DrafterConfig, VerifierConfig):
+    for config in (DrafterConfig, VerifierConfig, GatewayConfig):
         with pytest.raises(ValueError, match=f"invalid {config.__name__}: cores .*{reason}"):
             config(cores=text)
+
+
+def test_gateway_reads_its_cores_like_the_model_services():
+    """The gateway's cores: a ServiceConfig field, so RSD_GATEWAY_CORES and --cores (the flag wins)."""
+    env = {"RSD_GATEWAY_CORES": "1"}
+    assert load_config(GatewayConfig, "gateway", [], env=env).cores == "1"
+    assert load_config(GatewayConfig, "gateway", ["--cores", "0-1,3"], env=env).cores == "0-1,3"
+    assert GatewayConfig().cores == ""  # any core
+    with pytest.raises(ValueError, match="invalid GatewayConfig: cores '0,': empty item"):
+        load_config(GatewayConfig, "gateway", [], env={"RSD_GATEWAY_CORES": "0,"})
 
 
 def test_format_cores():
@@ -92,22 +103,25 @@ def _cpus_allowed(pid: int) -> set[str]:
     return out
 
 
-@pytest.mark.parametrize("service", ["verifier_service", "drafter_service"])
+@pytest.mark.parametrize("service", ["verifier_service", "drafter_service", "gateway"])
 def test_started_service_runs_on_its_cores(tmp_path, service):
     """python -m <service> --cores C: once healthy, every thread of the process is allowed core C only;
     the drafter also starts with an int8 model (--quantize int8) and logs what it applied."""
     draft_dir, target_dir = build_tiny_pair(tmp_path, "qwen2")
     port = _free_port()
-    model = target_dir if service == "verifier_service" else draft_dir
-    extra = ["--quantize", "int8"] if service == "drafter_service" else []
+    args = {
+        "verifier_service": ["--model", str(target_dir)],
+        "drafter_service": ["--model", str(draft_dir), "--quantize", "int8"],
+        "gateway": ["--tokenizer", str(target_dir)],  # no drafter or verifier needed to be healthy
+    }[service]
     log = (tmp_path / "log").open("w")
-    cmd = [sys.executable, "-m", service, "--model", str(model), "--port", str(port), "--cores", CORE, *extra]
+    cmd = [sys.executable, "-m", service, "--port", str(port), "--cores", CORE, *args]
     proc = subprocess.Popen(cmd, env=_env(), stdout=log, stderr=subprocess.STDOUT)
     try:
         asyncio.run(wait_healthy(f"127.0.0.1:{port}", timeout_s=120))
         assert _cpus_allowed(proc.pid) == {CORE}
         text = (tmp_path / "log").read_text()
-        assert f"cores {CORE}, 1 threads" in text
+        assert f"cores {CORE}" + ("" if service == "gateway" else ", 1 threads") in text
         if service == "drafter_service":
             assert "quantize int8" in text
     finally:
@@ -120,12 +134,14 @@ def test_service_refuses_cores_it_may_not_use(tmp_path):
     """A core this process may not use: the service exits at once with the allowed list, no traceback."""
     _, target_dir = build_tiny_pair(tmp_path, "qwen2")
     missing = str(max(os.sched_getaffinity(0)) + 1)
-    cmd = [sys.executable, "-m", "verifier_service", "--model", str(target_dir), "--cores", missing]
-    out = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
-    assert out.returncode != 0
-    assert f"not available to this process (allowed: {format_cores(os.sched_getaffinity(0))})" in out.stderr
-    assert "Traceback" not in out.stderr
-    bad = subprocess.run(
-        [sys.executable, "-m", "drafter_service", "--cores", "1-0"], env=_env(), capture_output=True, text=True
-    )
-    assert bad.returncode != 0 and "runs backwards" in bad.stderr and "Traceback" not in bad.stderr
+    # the gateway's tokenizer folder does not exist: the cores are refused before anything loads
+    for service, args in (("verifier_service", ["--model", str(target_dir)]), ("gateway", ["--tokenizer", "t"])):
+        cmd = [sys.executable, "-m", service, *args, "--cores", missing]
+        out = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
+        assert out.returncode != 0, service
+        assert f"not available to this process (allowed: {format_cores(os.sched_getaffinity(0))})" in out.stderr
+        assert "Traceback" not in out.stderr, service
+    for service in ("drafter_service", "gateway"):
+        cmd = [sys.executable, "-m", service, "--cores", "1-0"]
+        bad = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
+        assert bad.returncode != 0 and "runs backwards" in bad.stderr and "Traceback" not in bad.stderr, service

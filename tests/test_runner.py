@@ -296,3 +296,29 @@ def test_small_batch_linear_path_per_dtype(dtype):
     set_small_batch_rows(model, 0)
     x = torch.randn(1, 5, 32, dtype=dtype)
     assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
+def test_set_linear_kernel_switches_one_loaded_model(pairs):
+    """forward_cost's switch: each kernel gives a tiny target's logits within float rounding of a model that
+    was never patched (f_linear: exactly), back and forth on one model; a bad name or an unpatched model
+    is refused."""
+    from rsd_runtime.models import set_linear_kernel
+
+    plain = load_model(pairs["qwen2"][1], small_batch_rows=0)  # nn.Linear's own forward everywhere
+    model = load_model(pairs["qwen2"][1], small_batch_rows=64)
+    patched = [m for m in model.modules() if hasattr(m, "small_batch_rows")]
+    ids = torch.randint(0, plain.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0))
+    expected = plain(input_ids=ids).logits  # [1, 6, V]
+    for kernel, state in [("small_gemm", (64, True)), ("f_linear", (0, False)), ("torch", (64, False))] * 2:
+        assert set_linear_kernel(model, kernel, 64) == len(patched) > 0
+        assert {(m.small_batch_rows, m.small_gemm) for m in patched} == {state}
+        logits = model(input_ids=ids).logits
+        if kernel == "f_linear":
+            assert torch.equal(logits, expected)
+        else:
+            torch.testing.assert_close(logits, expected, atol=ATOL, rtol=1e-5)
+    with pytest.raises(ValueError, match="kernel must be one of f_linear, torch, small_gemm, got 'mkl'"):
+        set_linear_kernel(model, "mkl")
+    with pytest.raises(ValueError, match="no linear layer of this model is patched"):
+        set_linear_kernel(plain, "small_gemm")
+    assert set_linear_kernel(plain, "f_linear") == 0  # already F.linear everywhere

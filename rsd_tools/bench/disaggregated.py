@@ -5,7 +5,9 @@ cores of their own, against the target alone on the verifier's core and on the w
     python -m rsd_tools.bench.disaggregated --tiny --num-prompts 1 --max-new-tokens 8 --temperatures 0
 
 Per setting of pre-drafting (on, off) it starts a verifier (--verifier-cores, one thread, the target in
---dtype), a drafter (--drafter-cores, one thread, --draft-quantize) and a gateway as processes, and runs
+--dtype), a drafter (--drafter-cores, one thread, --draft-quantize) and a gateway (--gateway-cores, by
+default the drafter's: the verifier's forward is the critical path, and an unpinned gateway's work lands
+on the verifier's core and lengthens every verification) as processes, and runs
 every method x temperature x prompt through the gateway, one session at a time (a warm-up generation
 first). The target alone runs in a child process per placement (--ar-placements: the verifier's core,
 then the whole machine), same prompts, seeds and stop rule (the target's EOS, at most --max-new-tokens).
@@ -50,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--predraft", default="on,off", help="pre-drafting settings to run (on, off)")
     ap.add_argument("--drafter-cores", default="0")
     ap.add_argument("--verifier-cores", default="1")
+    ap.add_argument("--gateway-cores", default=None, help="default: --drafter-cores")
     ap.add_argument("--ar-placements", default="1;0-1", help="';'-separated cores for the target alone")
     ap.add_argument("--dtype", default="float32", help="the target's dtype (verifier and target alone)")
     ap.add_argument("--draft-quantize", default="int8", choices=("none", "int8"))
@@ -136,17 +139,18 @@ def start_services(draft: Path, target: Path, args, predraft: bool, run_dir: Pat
     v_port, d_port, g_port = free_port(), free_port(), free_port()
     common = ["--max-len", str(args.max_len), "--threads", "1", "--drain-s", "1"]
     verifier = verifier_command(
-        v_port, target, "verifier-0", "--cores", args.verifier_cores, "--dtype", args.dtype, "--num-slots", "2", *common
+        v_port, target, "verifier-0", "--dtype", args.dtype, "--num-slots", "2", *common, cores=args.verifier_cores
     )
     drafter = drafter_command(
-        d_port, draft, "drafter-0", "--cores", args.drafter_cores, "--quantize", args.draft_quantize,
-        "--predraft", "true" if predraft else "false", "--max-sessions", "2", *common,
+        d_port, draft, "drafter-0", "--quantize", args.draft_quantize, "--predraft", "true" if predraft else "false",
+        "--max-sessions", "2", *common, cores=args.drafter_cores,
     )  # fmt: skip
     static = ["--drafters", f"drafter-0=127.0.0.1:{d_port}", "--verifiers", f"verifier-0=127.0.0.1:{v_port}"]
+    gateway = gateway_command(g_port, target, *static, "--drain-s", "1", cores=args.gateway_cores)
     try:
         cluster.spawn("verifier", verifier, env, f"127.0.0.1:{v_port}")
         cluster.spawn("drafter", drafter, env, f"127.0.0.1:{d_port}")
-        cluster.spawn("gateway", gateway_command(g_port, target, *static, "--drain-s", "1"), env, f"127.0.0.1:{g_port}")
+        cluster.spawn("gateway", gateway, env, f"127.0.0.1:{g_port}")
         wait_all_ready(cluster.processes, args.start_timeout_s)
     except BaseException:
         cluster.stop(15.0, at_once=True)
@@ -223,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.ar_worker:
         ar_worker(json.loads(args.ar_worker))
         return 0
+    if args.gateway_cores is None:  # the drafter's core: the verifier's forward is the critical path
+        args.gateway_cores = args.drafter_cores
     from rsd_runtime.tokenizer import load_tokenizer
     from rsd_tools.bench.machine import machine_info
     from rsd_tools.bench.prompts import stdlib_prompts
@@ -271,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         "placement": {
             "drafter_cores": args.drafter_cores,
             "verifier_cores": args.verifier_cores,
+            "gateway_cores": args.gateway_cores,
             "threads_per_service": 1,
             "ar_same_core": placements[0],
             "ar_whole_machine": placements[1],
@@ -306,7 +313,8 @@ def markdown(result: dict) -> str:
         f"# The pipeline through the services vs the target alone ({Path(result['target']).name}, {result['dtype']})",
         "",
         f"Drafter on cores {p['drafter_cores']} ({Path(result['draft']).name}, quantize {result['draft_quantize']}), "
-        f"verifier on cores {p['verifier_cores']}, one thread each; {len(result['prompts'])} stdlib prompts x "
+        f"verifier on cores {p['verifier_cores']}, one thread each, gateway on cores "
+        f"{p.get('gateway_cores') or 'any'}; {len(result['prompts'])} stdlib prompts x "
         f"{result['max_new_tokens']} new tokens (the target's EOS stops earlier). CPU: {m['cpu_model']}, flags "
         f"{' '.join(m['cpu_flags'])}; load {m['loadavg_start']} at the start, {result['loadavg_end']} at the end.",
         "",

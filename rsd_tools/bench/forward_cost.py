@@ -26,7 +26,7 @@ from rsd_service.placement import add_placement_flags, apply_placement
 from rsd_tools.bench.machine import machine_info
 from rsd_tools.defaults import RESULTS_DIR
 
-KERNELS = ("f_linear", "torch", "small_gemm")
+KERNELS = ("f_linear", "torch", "small_gemm")  # rsd_runtime.models.LINEAR_KERNELS (torch loads after placement)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     placement = apply_placement(args.cores, args.threads)
     import torch
 
-    from rsd_runtime.models import load_model, set_small_batch_rows, use_small_batch_linear
+    from rsd_runtime.models import load_model, set_linear_kernel, use_small_batch_linear
     from rsd_runtime.runner import ModelRunner
     from rsd_tools.provision import provision_pair
 
@@ -60,12 +60,6 @@ def main(argv: list[str] | None = None) -> int:
     sizes = sorted({int(n) for n in args.tokens.split(",")} | {1})
     kernels = args.kernels.split(",")
     prompt = torch.randint(0, model.config.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0))
-
-    def use(kernel: str) -> None:
-        set_small_batch_rows(model, 0 if kernel == "f_linear" else 64)
-        for m in model.modules():
-            if hasattr(m, "small_gemm"):
-                m.small_gemm = kernel == "small_gemm"
 
     def forward(n: int):
         out = runner.forward(torch.full((n,), int(prompt[-1])), torch.arange(-1, n - 1))  # a chain of n
@@ -78,14 +72,14 @@ def main(argv: list[str] | None = None) -> int:
     rounding: dict[str, float] = {}
     for rep in range(args.reps + 1):  # rep 0 warms up
         for kernel in kernels:
-            use(kernel)
+            set_linear_kernel(model, kernel, 64)
             for n in sizes:
                 t = time.perf_counter()
                 forward(n)
                 if rep:
                     times[(kernel, n)].append(1000 * (time.perf_counter() - t))
     for kernel in kernels:  # a chain's first row is the one-token forward: same logits up to rounding
-        use(kernel)
+        set_linear_kernel(model, kernel, 64)
         one, many = forward(1)[0], forward(max(sizes))[0]
         rounding[kernel] = float((one.float() - many.float()).abs().max())
     rows = []
