@@ -11,11 +11,14 @@ on the CPU, tensor cores on a GPU), so forwards of many sessions are gathered an
         tree = drafter.draft(...)                        # its forwards join the others'
 
 forward() blocks its thread until its tokens ran. The first thread to find every drafting thread
-waiting (or its wait_s used up, or max_rows reached) runs one packed forward (forward_packed) for all
+waiting (or max_rows reached, or the wait used up) runs one packed forward (forward_packed) for all
 of them while the others sleep; sessions that are not drafting (a tree out for verification) are not
-waited for. Each runner keeps its own KV cache: a packed layer writes each segment's new K/V into its
-runner's cache and hands the model the concatenation of the segments' keys, with a block-diagonal mask
-(a token sees its own runner's keys only, by that runner's tree mask).
+waited for. The wait for a drafting thread that has not asked yet (it is still sampling its last
+level) lasts up to max(wait_s, the last packed forward's duration): leaving it out costs it a forward
+of its own later, about that long.
+Each runner keeps its own KV cache: a packed layer writes each segment's new K/V into its runner's cache
+and hands the model the concatenation of the segments' keys, with a block-diagonal mask (a token sees
+its own runner's keys only, by that runner's tree mask).
 
 Exactness does not depend on it: each tree carries the law its children were drawn from. What packing
 changes is rounding: a row's logits in a packed forward equal its lone forward's to float rounding,
@@ -140,7 +143,8 @@ class PackedForwards:
     """Gathers the concurrent draft forwards of many threads into packed forwards; see the module docstring.
 
     max_rows: at most this many new tokens per packed forward (more wait for the next one; a single
-    larger call runs alone). wait_s: how long a forward waits for drafting threads that are not waiting yet.
+    larger call runs alone). wait_s: the least a forward waits for drafting threads that are not waiting
+    yet (the wait stretches to the last packed forward's duration).
     """
 
     def __init__(self, model: PreTrainedModel, max_kv_len: int, max_rows: int = 256, wait_s: float = 0.02):
@@ -153,6 +157,7 @@ class PackedForwards:
         self._drafting = 0  # threads inside drafting()
         self._pending: list[_Call] = []
         self._busy = False  # a packed forward is running
+        self._last_forward_s = 0.0  # how long the last packed forward took
 
     @contextmanager
     def drafting(self) -> Iterator[None]:
@@ -190,7 +195,7 @@ class PackedForwards:
         rows = sum(len(c.step.parents) for c in self._pending)
         if len(self._pending) >= self._drafting or rows >= self.max_rows:
             return 0.0
-        return self._pending[0].arrived + self.wait_s - time.perf_counter()
+        return self._pending[0].arrived + max(self.wait_s, self._last_forward_s) - time.perf_counter()
 
     def _run_batch(self) -> None:
         """Run the oldest pending forwards as one (the caller holds the lock; it is let go meanwhile)."""
@@ -200,6 +205,7 @@ class PackedForwards:
             rows += len(batch[-1].step.parents)
         self._busy = True
         self._cond.release()
+        t0 = time.perf_counter()
         try:
             try:
                 results = forward_packed(self.model, self.plan, [(c.runner, c.step) for c in batch])
@@ -210,7 +216,7 @@ class PackedForwards:
                     c.error = e
         finally:
             self._cond.acquire()
-            self._busy = False
+            self._busy, self._last_forward_s = False, time.perf_counter() - t0
             for c in batch:
                 c.done = True
             s = self.stats

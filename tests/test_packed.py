@@ -143,3 +143,21 @@ def test_concurrent_drafts_are_packed_and_draft_what_they_draft_alone(model, tem
         torch.testing.assert_close(got.draft_probs, want.draft_probs, atol=1e-5, rtol=0)
     s = packer.stats
     assert s.calls == 3 * 3 and s.max_calls >= 2 and s.forwards < s.calls
+
+
+def test_draft_batching_benchmark_smoke(tmp_path):
+    """rsd_tools.bench.draft_batching on a tiny draft: every case runs, packed rounds share forwards."""
+    import json
+
+    from rsd_tools.bench import draft_batching
+    from rsd_tools.tiny import build_tiny_pair
+
+    draft_dir = build_tiny_pair(tmp_path / "models", "qwen2")[0]
+    argv = ["--draft", str(draft_dir), "--sessions", "1,3", "--reps", "1", "--prompt-tokens", "12"]
+    assert draft_batching.main([*argv, "--shape", "2x2", "--name", "smoke", "--out-dir", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "smoke.json").read_text())
+    assert result["complete"] and "cpu_flags" in result["machine"]
+    assert [(r["sessions"], r["packed"]) for r in result["rows"]] == [(1, True), (1, False), (3, True), (3, False)]
+    assert all(r["trees_per_s"] > 0 for r in result["rows"])
+    assert result["packer"]["forwards"] < result["packer"]["calls"]
+    assert "packed ÷ alone" in (tmp_path / "smoke.md").read_text()
