@@ -36,7 +36,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from rsd.sampling import check_probs, gumbel, gumbel_top_k, require_generator, sample
+from rsd.sampling import check_probs, gumbel, gumbel_top_k, require_generator, sample, support
 from rsd.tree import DraftTree
 
 
@@ -116,7 +116,10 @@ def draft_tree(
             break
         probs = tree.propose(proposal, frontier)  # [F, V]
         if mode is DraftMode.IID:
-            child_ids = sample(probs.unsqueeze(1).expand(-1, k, -1), generator)  # [F, k]
+            values, ids = support(probs)  # [F, S]: draw over the support only (same law)
+            child_ids = sample(values.unsqueeze(1).expand(-1, k, -1), generator)  # [F, k]
+            if ids is not None:
+                child_ids = ids.gather(-1, child_ids)
             valid_mask = torch.ones_like(child_ids, dtype=torch.bool)  # [F, k]
         elif mode is DraftMode.WITHOUT_REPLACEMENT:
             # DEVIATION: the paper's branching is constant; past a law's support no distinct token is
@@ -200,17 +203,19 @@ def draft_sbs(
         if stop_below > 0 and float(own_probs.max()) < stop_below:
             break
         probs = tree.propose(proposal, beams)  # [F, V]
-        phi_child = phi.unsqueeze(-1) + torch.log(probs.to(torch.float64))  # [F, V]
+        values, ids = support(probs)  # [F, S]: the search runs over the support only (same law)
+        phi_child = phi.unsqueeze(-1) + torch.log(values.to(torch.float64))  # [F, S]
         noise = 0.0 if greedy else gumbel(phi_child.shape, generator, device)
-        g_child = phi_child if greedy else _condition_gumbel(phi_child + noise, g)  # [F, V]
-        top = torch.topk(g_child.flatten(), min(beam_width, g_child.numel()))  # [<= W] over F * V
-        keep_idx = top.indices[torch.isfinite(top.values)]  # [<= W] flat (row, token), descending G
-        vocab = probs.shape[-1]
+        g_child = phi_child if greedy else _condition_gumbel(phi_child + noise, g)  # [F, S]
+        top = torch.topk(g_child.flatten(), min(beam_width, g_child.numel()))  # [<= W] over F * S
+        keep_idx = top.indices[torch.isfinite(top.values)]  # [<= W] flat (row, column), descending G
+        width = values.shape[-1]
         # Store children grouped by parent, each group in descending G (its sampling order).
-        order = sorted(range(keep_idx.numel()), key=lambda i: (int(keep_idx[i]) // vocab, i))
+        order = sorted(range(keep_idx.numel()), key=lambda i: (int(keep_idx[i]) // width, i))
         keep_idx = keep_idx[order]
-        row_idx, child_ids = keep_idx // vocab, keep_idx % vocab  # [<= W] each
+        row_idx, col_idx = keep_idx // width, keep_idx % width  # [<= W] each
+        child_ids = col_idx if ids is None else ids[row_idx, col_idx]
         beams = [tree.add(beams[int(f)], int(t)) for f, t in zip(row_idx, child_ids, strict=True)]
-        own_probs = probs[row_idx, child_ids]  # [F']
+        own_probs = values[row_idx, col_idx]  # [F']
         phi, g = phi_child.flatten()[keep_idx], g_child.flatten()[keep_idx]  # [F'] each
     return tree.build(probs.shape[-1], probs.dtype)

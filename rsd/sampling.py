@@ -111,15 +111,35 @@ def gumbel(shape: torch.Size | tuple[int, ...], generator: torch.Generator, devi
     return -torch.log(-torch.log(u.clamp_min(1e-300)))
 
 
+def support(probs: Tensor) -> tuple[Tensor, Tensor | None]:
+    """The rows of probs [..., V] cut to their support, for samplers: (values [..., S], ids [..., S]) with
+    S the largest support, each row's nonzero entries first, most likely first, then zeros; ids None when
+    every entry is positive (values is probs then). A truncated draft law (top-k 256 of 151,936 tokens)
+    is drawn from in [F, 256] instead of [F, V]: the same law, far fewer random draws and float64 ops
+    (a different use of the generator than drawing over all of V, so different draws for a seed)."""
+    s = int((probs > 0).sum(-1).max()) if probs.numel() else 0
+    if s == probs.shape[-1]:
+        return probs, None
+    top = torch.topk(probs, max(s, 1), dim=-1)
+    return top.values, top.indices
+
+
 def gumbel_top_k(probs: Tensor, k: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
     """Ordered sample of k tokens without replacement from each row of probs [F, V].
 
     Perturb log p with Gumbel noise and take the top k keys, largest first: that is a
     Plackett-Luce sample, i.e. x_1 ~ p, x_2 ~ p restricted to V minus {x_1} renormalised, ...
     Returns ids [F, k] in sampling order and valid_mask [F, k] (False past a row's support size,
-    where no further distinct token exists).
+    where no further distinct token exists). Drawn over the rows' support (see support()).
     """
     check_probs(probs)
-    keys = torch.log(probs.to(torch.float64)) + gumbel(probs.shape, generator, probs.device)  # [F, V]
-    top = torch.topk(keys, k, dim=-1)  # [F, k]
-    return top.indices, torch.isfinite(top.values)
+    values, ids = support(probs)  # [F, S] each
+    keys = torch.log(values.to(torch.float64)) + gumbel(values.shape, generator, probs.device)  # [F, S]
+    top = torch.topk(keys, min(k, keys.shape[-1]), dim=-1)  # [F, <= k]
+    top_ids = top.indices if ids is None else ids.gather(-1, top.indices)
+    valid = torch.isfinite(top.values)
+    short = k - top_ids.shape[-1]  # a support smaller than k: no further distinct token
+    if short > 0:
+        top_ids = torch.cat([top_ids, top_ids.new_zeros(top_ids.shape[0], short)], -1)
+        valid = torch.cat([valid, valid.new_zeros(valid.shape[0], short)], -1)
+    return top_ids, valid

@@ -15,6 +15,7 @@ def test_bootstrap_interval_brackets_the_mean():
 def test_tiny_run_writes_every_field(tmp_path):
     argv = ["--tiny", "--num-prompts", "1", "--max-new-tokens", "6", "--temperatures", "0", "--methods", "sd:2"]
     argv += ["--predraft", "on", "--cache-dir", str(tmp_path / "cache"), "--out-dir", str(tmp_path), "--name", "d"]
+    argv += ["--ar-dtypes", "bfloat16"]  # the target alone in float32 (the verifier's) and bfloat16
     assert disaggregated.main(argv) == 0
     result = json.loads((tmp_path / "d.json").read_text())
     assert result["complete"] is True and (tmp_path / "d.md").exists() and (tmp_path / "d-tokens-per-s.png").exists()
@@ -22,7 +23,11 @@ def test_tiny_run_writes_every_field(tmp_path):
     fields = {"method", "shape", "temperature", "pipelined", "tokens_per_s", "block_efficiency", "predraft_hit_rate"}
     fields |= {"matches_ar", "speedup_vs_ar_same_core", "speedup_vs_ar_whole_machine", "block_efficiency_ci95"}
     assert fields <= set(row)
-    assert row["matches_ar"] is True and row["pipelined"] is True
+    assert row["matches_ar"] is True and row["pipelined"] is True  # against the float32 target alone
+    for ar in result["ar"].values():  # each placement's baseline is its fastest dtype
+        by_dtype = ar["tokens_per_s_by_dtype"]
+        assert set(by_dtype) == {"float32", "bfloat16"}
+        assert ar["0.0"]["tokens_per_s"] == max(v["0.0"] for v in by_dtype.values()) == by_dtype[ar["dtype"]]["0.0"]
     assert result["machine"]["cpu_flags"] is not None
     placement = result["placement"]  # the gateway sits on the drafter's core unless told otherwise
     assert (placement["drafter_cores"], placement["verifier_cores"], placement["gateway_cores"]) == ("0", "1", "0")

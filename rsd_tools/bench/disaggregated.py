@@ -55,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--gateway-cores", default=None, help="default: --drafter-cores")
     ap.add_argument("--ar-placements", default="1;0-1", help="';'-separated cores for the target alone")
     ap.add_argument("--dtype", default="float32", help="the target's dtype (verifier and target alone)")
+    ap.add_argument(
+        "--ar-dtypes",
+        default="",
+        help="more dtypes for the target alone; each placement's baseline is its fastest (T = 0 is checked "
+        "against --dtype's run)",
+    )
     ap.add_argument("--draft-quantize", default="int8", choices=("none", "int8"))
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples of the steps")
@@ -91,13 +97,13 @@ def ar_worker(job: dict) -> None:
             print(json.dumps({"temperature": t, "prompt": i, "token_ids": out.token_ids, "wall_s": wall}), flush=True)
 
 
-def run_ar(target: Path, cores: str, prompts: list[list[int]], eos: list[int], args) -> list[dict]:
+def run_ar(target: Path, cores: str, prompts: list[list[int]], eos: list[int], args, dtype: str) -> list[dict]:
     threads = len(_cores(cores))
     job = {
         "target": str(target),
         "cores": cores,
         "threads": threads,
-        "dtype": args.dtype,
+        "dtype": dtype,
         "max_len": args.max_len,
         "prompts": prompts,
         "eos": eos,
@@ -178,7 +184,10 @@ def bootstrap_interval(per_step: list[int], resamples: int, seed: int = 0) -> li
     return [round(means[int(0.025 * resamples)], 3), round(means[min(int(0.975 * resamples), resamples - 1)], 3)]
 
 
-def service_row(method: str, shape: str, t: float, pipelined: bool, runs: list, ar: dict, args) -> dict:
+def service_row(
+    method: str, shape: str, t: float, pipelined: bool, runs: list, ar: dict, greedy_ar: list[dict], args
+) -> dict:
+    """greedy_ar: the target alone's T = 0 runs in the verifier's dtype (what T = 0 must equal)."""
     from rsd_tools.gateway_runs import step_split
 
     tokens = sum(len(r.token_ids) for r in runs)
@@ -205,7 +214,7 @@ def service_row(method: str, shape: str, t: float, pipelined: bool, runs: list, 
     if t == 0:
         row["matches_ar"] = all(
             r.token_ids == a["token_ids"][: len(r.token_ids)] and len(r.token_ids) == len(a["token_ids"])
-            for r, a in zip(runs, same["runs"], strict=True)
+            for r, a in zip(runs, greedy_ar, strict=True)
         )
     row["speedup_vs_ar_same_core"] = round(row["tokens_per_s"] / same["tokens_per_s"], 3)
     row["speedup_vs_ar_whole_machine"] = round(row["tokens_per_s"] / whole["tokens_per_s"], 3)
@@ -245,11 +254,17 @@ def main(argv: list[str] | None = None) -> int:
     log(f"{len(prompts)} prompts x {args.max_new_tokens} tokens, T {temps}, methods {args.methods}")
 
     placements = args.ar_placements.split(";")
+    ar_dtypes = list(dict.fromkeys([args.dtype, *(d.strip() for d in args.ar_dtypes.split(",") if d.strip())]))
     ar_runs = {}
     for key, cores in zip(("same_core", "whole_machine"), placements, strict=True):
-        log(f"target alone on cores {cores}")
-        ar_runs[key] = {"cores": cores, "by_t": ar_summary(run_ar(target, cores, prompts, eos, args), temps)}
+        by_dtype = {}
+        for dtype in ar_dtypes:
+            log(f"target alone on cores {cores} in {dtype}")
+            by_dtype[dtype] = ar_summary(run_ar(target, cores, prompts, eos, args, dtype), temps)
+        best = max(ar_dtypes, key=lambda d: sum(by_dtype[d][t]["tokens_per_s"] for t in temps))  # its fastest
+        ar_runs[key] = {"cores": cores, "dtype": best, "by_t": by_dtype[best], "by_dtype": by_dtype}
     ar = {key: v["by_t"] for key, v in ar_runs.items()}
+    greedy_ar = ar_runs["same_core"]["by_dtype"][args.dtype][0.0]["runs"] if 0.0 in temps else []
 
     rows = []
     for setting in args.predraft.split(","):
@@ -261,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
                 for method, shape in methods:
                     for t in temps:
                         runs = service_runs(address, prompts, method, shape, t, args)
-                        rows.append(service_row(method, shape, t, pipelined, runs, ar, args))
+                        rows.append(service_row(method, shape, t, pipelined, runs, ar, greedy_ar, args))
                         r = rows[-1]
                         log(f"{method} {shape} T={t} predraft {setting}: {r['tokens_per_s']} tok/s, "
                             f"BE {r['block_efficiency']}, hit {r['predraft_hit_rate']}, "
@@ -289,7 +304,11 @@ def main(argv: list[str] | None = None) -> int:
         "ar": {
             key: {
                 "cores": v["cores"],
+                "dtype": v["dtype"],  # the fastest of ar_dtypes here: the baseline
                 **{str(t): {k: s[k] for k in ("tokens_per_s", "tokens")} for t, s in v["by_t"].items()},
+                "tokens_per_s_by_dtype": {
+                    d: {str(t): s["tokens_per_s"] for t, s in by_t.items()} for d, by_t in v["by_dtype"].items()
+                },
             }
             for key, v in ar_runs.items()
         },
@@ -318,13 +337,16 @@ def markdown(result: dict) -> str:
         f"{result['max_new_tokens']} new tokens (the target's EOS stops earlier). CPU: {m['cpu_model']}, flags "
         f"{' '.join(m['cpu_flags'])}; load {m['loadavg_start']} at the start, {result['loadavg_end']} at the end.",
         "",
-        "| target alone | " + " | ".join(f"T={t}" for t in result["ar"]["same_core"] if t != "cores") + " |",
-        "| --- | " + " | ".join("---" for t in result["ar"]["same_core"] if t != "cores") + " |",
+        "| target alone (its fastest dtype: the baseline) | " + " | ".join(f"T={t}" for t in _ar_temps(result)) + " |",
+        "| --- | " + " | ".join("---" for _ in _ar_temps(result)) + " |",
     ]
     for key, label in (("same_core", "verifier's core"), ("whole_machine", "whole machine")):
         a = result["ar"][key]
-        cells = [f"{v['tokens_per_s']:.2f} tok/s" for t, v in a.items() if t != "cores"]
-        lines.append(f"| {label} (cores {a['cores']}) | " + " | ".join(cells) + " |")
+        cells = [f"{a[t]['tokens_per_s']:.2f} tok/s" for t in _ar_temps(result)]
+        lines.append(f"| {label} (cores {a['cores']}, {a.get('dtype', result['dtype'])}) | " + " | ".join(cells) + " |")
+        for dtype, by_t in a.get("tokens_per_s_by_dtype", {}).items():
+            if len(a["tokens_per_s_by_dtype"]) > 1:
+                lines.append(f"| ... in {dtype} | " + " | ".join(f"{by_t[t]:.2f}" for t in _ar_temps(result)) + " |")
     lines += [
         "",
         "| method | T | pre-drafting | tok/s | x same core | x whole machine | block efficiency [95% CI] | "
@@ -342,6 +364,10 @@ def markdown(result: dict) -> str:
             f"{'' if r['matches_ar'] is None else r['matches_ar']} | {split} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _ar_temps(result: dict) -> list[str]:
+    return [t for t in result["ar"]["same_core"] if t not in ("cores", "dtype", "tokens_per_s_by_dtype")]
 
 
 def plot(result: dict, path: Path) -> None:
