@@ -188,7 +188,7 @@ def plots(result: dict, out_dir: Path, name: str) -> list[Path]:
         for t, ax in zip(temps, ax_row, strict=True):
             for method in METHOD_ORDER[1:-1]:
                 pts = sorted(
-                    (r[key], r["block_efficiency"])
+                    (r[key], r["block_efficiency"], r.get("block_efficiency_ci95"))
                     for r in rows
                     if r["method"] == method
                     and r["temperature"] == t
@@ -197,7 +197,15 @@ def plots(result: dict, out_dir: Path, name: str) -> list[Path]:
                     and (protocol != "fixed_nodes" or r["best"])
                 )
                 if pts:
-                    ax.plot(*zip(*pts, strict=True), marker="o", label=method)
+                    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+                    if all(p[2] for p in pts):  # the 95% bootstrap intervals as error bars
+                        err = [
+                            [y - p[2][0] for y, p in zip(ys, pts, strict=True)],
+                            [p[2][1] - y for y, p in zip(ys, pts, strict=True)],
+                        ]
+                        ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=method)
+                    else:
+                        ax.plot(xs, ys, marker="o", label=method)
             ax.set(title=f"{protocol}, T={t:g}", xlabel=xlabel, ylabel="block efficiency")
             ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
