@@ -63,7 +63,8 @@ def test_bench_tiny_schema_and_greedy_equality(tmp_path, capsys):
         str(tmp_path / "out"),
     ]
     assert bench.main([*argv, "--name", "tiny"]) == 0
-    assert "| rsd_s |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| rsd_s |" in out and "### Block efficiency with 95% intervals" in out
 
     result = json.loads((tmp_path / "out" / "tiny.json").read_text())
     assert (tmp_path / "out" / "tiny.md").read_text().startswith("# tiny")
@@ -92,6 +93,11 @@ def test_bench_tiny_schema_and_greedy_equality(tmp_path, capsys):
         assert row["protocol"] == "custom" and row["budget"] is None and row["best"] is None
         assert row["draft_s"] + row["verify_s"] + row["accept_s"] + row["other_s"] == pytest.approx(row["total_s"])
         assert sum(row["step_ms"].values()) == pytest.approx(1000 * row["total_s"] / row["target_calls"])
+        # the 95% bootstrap interval over steps: one entry per target call, summing to the tokens kept
+        assert row["steps"] == row["target_calls"] == sum(len(o["step_tokens"]) for o in row["outputs"])
+        assert all(sum(o["step_tokens"]) == len(o["token_ids"]) for o in row["outputs"])
+        lo, hi = row["block_efficiency_ci95"]
+        assert lo <= row["block_efficiency"] <= hi
         if label == "ar":
             assert row["block_efficiency"] == 1 and row["mbsu"] == 1 and row["nodes"] == 0
         else:

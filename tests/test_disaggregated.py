@@ -3,13 +3,13 @@ child processes, the row fields the issue asks for, and greedy output equal to t
 
 import json
 
-from rsd_tools.bench import disaggregated
+from rsd_tools.bench import disaggregated, stats
 
 
 def test_bootstrap_interval_brackets_the_mean():
-    lo, hi = disaggregated.bootstrap_interval([1, 2, 3, 4, 5] * 10, 500)
+    lo, hi = stats.bootstrap_interval([1, 2, 3, 4, 5] * 10, 500)
     assert lo < 3 < hi and hi - lo < 1.5
-    assert disaggregated.bootstrap_interval([2] * 7, 100) == [2, 2]
+    assert stats.bootstrap_interval([2] * 7, 100) == [2, 2]
 
 
 def test_tiny_run_writes_every_field(tmp_path):

@@ -33,7 +33,8 @@ module list; module-level functions with a docstring and a body after it), cut a
 and the docstring, drawn with a fixed seed. --prompts FILE reads JSON lines with a "prompt" field.
 
 Metrics per (method, temperature), summed over prompts:
-    block_efficiency  new tokens / target calls
+    block_efficiency  new tokens / target calls, with a 95% percentile bootstrap interval over steps
+                      (block_efficiency_ci95; --bootstrap resamples, fixed seed)
     mbsu              memory-bound speed-up (SpecTr, RSD papers): block_efficiency / (1 + c * F), with F
                       the draft forwards per target call and c = draft / target single-token forward
                       time, both measured in this run on the same context
@@ -65,6 +66,7 @@ from rsd_tools.bench.planning import (
 )
 from rsd_tools.bench.prompts import STDLIB_MODULES, file_prompts, stdlib_prompts
 from rsd_tools.bench.report import markdown, plots
+from rsd_tools.bench.stats import BOOTSTRAP_RESAMPLES
 from rsd_tools.defaults import RESULTS_DIR, TEMPERATURES
 
 
@@ -134,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="run a paper protocol instead of --config/--method (default without either: all)",
     )
+    ap.add_argument(
+        "--only", metavar="METHODS", help="with --protocol: run only these methods of it (e.g. spectr,rsd_s; no ar)"
+    )
     ap.add_argument("--depths", default=",".join(map(str, DEPTHS)), help="fixed_depth draft lengths")
     ap.add_argument("--budgets", default=",".join(map(str, BUDGETS)), help="fixed_nodes budgets (draft tokens)")
     ap.add_argument(
@@ -145,6 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--draft-vocab", type=int, default=0, metavar="K", help="the drafter scores only the first K ids (0 = all)"
+    )
+    ap.add_argument(
+        "--bootstrap",
+        type=int,
+        default=BOOTSTRAP_RESAMPLES,
+        metavar="N",
+        help="resamples of the steps for each block efficiency's 95%% interval (0: none; default %(default)s)",
     )
     ap.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     ap.add_argument("--name", default="bench", help="result file stem")

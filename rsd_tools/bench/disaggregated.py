@@ -24,14 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from rsd_tools.bench.stats import bootstrap_interval
 from rsd_tools.defaults import RESULTS_DIR
 
 SPLIT = ("draft_ms", "transfer_ms", "queue_ms", "verify_ms", "residual_ms", "step_ms")
@@ -173,15 +172,6 @@ def service_runs(address: str, prompts: list[list[int]], method: str, shape: str
 
 # ---------------------------------------------------------------------------------------------
 # Rows
-
-
-def bootstrap_interval(per_step: list[int], resamples: int, seed: int = 0) -> list[float]:
-    """95% percentile interval of the mean of per_step (tokens per step) over `resamples` resamples."""
-    if not per_step:
-        return [float("nan"), float("nan")]
-    rng, n = random.Random(seed), len(per_step)
-    means = sorted(statistics.fmean(rng.choices(per_step, k=n)) for _ in range(resamples))
-    return [round(means[int(0.025 * resamples)], 3), round(means[min(int(0.975 * resamples), resamples - 1)], 3)]
 
 
 def service_row(

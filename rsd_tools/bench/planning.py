@@ -134,6 +134,15 @@ def plan(protocol: str, depths: list[int], budgets: list[int]) -> tuple[list[Spe
     return [*specs, hf], where
 
 
+def only_methods(specs: list[Spec], text: str) -> list[Spec]:
+    """The protocol's specs of the methods named in text ("spectr,rsd_s"), in the protocol's order."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in METHOD_ORDER]
+    if not names or bad:
+        raise ValueError(f"--only: expected method names from {', '.join(METHOD_ORDER)}, got {text!r}")
+    return [s for s in specs if s.name in names]
+
+
 def parse_temperatures(text: str) -> list[float]:
     temps = [float(t) for t in text.split(",") if t.strip()]
     if not temps or any(not (t >= 0 and t < float("inf")) for t in temps):
@@ -186,6 +195,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
     else:
         depths, budgets = parse_ints(args.depths, "--depths"), parse_ints(args.budgets, "--budgets")
         specs, where = plan(args.protocol or "all", depths, budgets)
+        if getattr(args, "only", None):
+            specs = only_methods(specs, args.only)
     if args.small_batch_linear:
         _insert_ar(specs, where, "plain")  # the other ar baseline
     target_dtype, draft_dtype = args.target_dtype or args.dtype, args.draft_dtype or args.dtype

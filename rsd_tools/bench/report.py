@@ -91,7 +91,30 @@ def markdown(result: dict) -> str:
             + " | ".join(_fmt(split.get(k), 0) for k in ("draft", "verify", "accept", "other"))
             + f" | {acc} | {_fmt(r['matches_ar'])} |"
         )
-    return "\n".join([*lines, "", *summary_tables(result["rows"])]) + "\n"
+    return "\n".join([*lines, "", *interval_table(result["rows"]), *summary_tables(result["rows"])]) + "\n"
+
+
+def _interval(r: dict) -> str:
+    ci = r.get("block_efficiency_ci95")
+    return "–" if not ci else f"[{ci[0]:.2f}, {ci[1]:.2f}]"
+
+
+def interval_table(rows: list[dict]) -> list[str]:
+    """Every measured (method, shape, T) once, with its block efficiency's 95% bootstrap interval."""
+    seen, out = set(), []
+    for r in rows:
+        if r.get("block_efficiency_ci95") and (r["label"], r["temperature"]) not in seen:
+            seen.add((r["label"], r["temperature"]))
+            out.append(
+                f"| {_fmt(r['temperature'], 1)} | {_method_cell(r)} | {_fmt(r['shape'])} | {_fmt(r['depth'])} | "
+                f"{_fmt(r['nodes'])} | {_fmt(r['block_efficiency'])} | {_interval(r)} | {r['steps']} | "
+                f"{r['prompts']} | {r['new_tokens']} |"
+            )
+    if not out:
+        return []
+    head = "| T | method | shape | depth | nodes | block eff. | 95% interval | steps | prompts | tokens |"
+    title = "### Block efficiency with 95% intervals (percentile bootstrap over steps)"
+    return [title, "", head, "|" + " --- |" * 10, *out, ""]
 
 
 def summary_tables(rows: list[dict]) -> list[str]:
@@ -114,7 +137,10 @@ def summary_tables(rows: list[dict]) -> list[str]:
                 cells = {r[key]: r for r in chosen if r["method"] == method and r["temperature"] == t}
                 if cells:
                     values = [
-                        f"{cells[c]['block_efficiency']:.2f} ({cells[c]['shape']})" if c in cells else "–"
+                        f"{cells[c]['block_efficiency']:.2f} ({cells[c]['shape']})"
+                        + (f" {_interval(cells[c])}" if cells[c].get("block_efficiency_ci95") else "")
+                        if c in cells
+                        else "–"
                         for c in columns
                     ]
                     out.append(f"| {_fmt(t, 1)} | {method} | " + " | ".join(values) + " |")
@@ -162,7 +188,7 @@ def plots(result: dict, out_dir: Path, name: str) -> list[Path]:
         for t, ax in zip(temps, ax_row, strict=True):
             for method in METHOD_ORDER[1:-1]:
                 pts = sorted(
-                    (r[key], r["block_efficiency"])
+                    (r[key], r["block_efficiency"], r.get("block_efficiency_ci95"))
                     for r in rows
                     if r["method"] == method
                     and r["temperature"] == t
@@ -171,7 +197,15 @@ def plots(result: dict, out_dir: Path, name: str) -> list[Path]:
                     and (protocol != "fixed_nodes" or r["best"])
                 )
                 if pts:
-                    ax.plot(*zip(*pts, strict=True), marker="o", label=method)
+                    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+                    if all(p[2] for p in pts):  # the 95% bootstrap intervals as error bars
+                        err = [
+                            [y - p[2][0] for y, p in zip(ys, pts, strict=True)],
+                            [p[2][1] - y for y, p in zip(ys, pts, strict=True)],
+                        ]
+                        ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=method)
+                    else:
+                        ax.plot(xs, ys, marker="o", label=method)
             ax.set(title=f"{protocol}, T={t:g}", xlabel=xlabel, ylabel="block efficiency")
             ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)

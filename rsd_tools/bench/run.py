@@ -29,6 +29,7 @@ from rsd_tools.bench.hf_assisted import run_hf_assisted
 from rsd_tools.bench.machine import model_info
 from rsd_tools.bench.planning import AR_DTYPES, BUDGET_CANDIDATES, Plan, Spec
 from rsd_tools.bench.report import markdown
+from rsd_tools.bench.stats import step_tokens
 from rsd_tools.bench.timing import (
     MBSU_FORMULA,
     Tally,
@@ -178,6 +179,7 @@ class BenchRun:
                     set_small_batch_rows(self.models.target_model, args.small_batch_linear)
             new, wall, calls = res.token_ids, res.stats.total_s, res.stats.target_calls
             tally.add(res.stats)
+        marks = [n for _, n in step_marks]
         self.outputs[(spec.label, temperature)].append(
             {
                 "prompt": i,
@@ -189,6 +191,8 @@ class BenchRun:
                 "first_step_tokens": min(step_marks[0][1], len(new)) if step_marks else len(new),
                 "steady_s": t_end - step_marks[0][0] if step_marks else 0.0,
                 "token_sha": token_hash(new),
+                # tokens per target call (the bootstrap's unit); None where the steps were not all seen
+                "step_tokens": step_tokens(marks, len(new)) if len(marks) == calls else None,
                 "token_ids": new,
             }
         )
@@ -199,7 +203,11 @@ class BenchRun:
         """One row per (spec, temperature) run so far, per place it is reported at."""
         plan, quantized = self.plan, self.models.quantized
         ran = [(s, t) for t in plan.temperatures for s in plan.specs if self.outputs[(s.label, t)]]
-        rows = [make_row(s, t, self.tallies[(s.label, t)], self.outputs[(s.label, t)], self.costs) for s, t in ran]
+        resamples = self.args.bootstrap
+        rows = [
+            make_row(s, t, self.tallies[(s.label, t)], self.outputs[(s.label, t)], self.costs, resamples)
+            for s, t in ran
+        ]
         for row in rows:
             if row["label"] in self.hf_settings:
                 row["hf_settings"] = self.hf_settings[row["label"]]
@@ -253,6 +261,7 @@ class BenchRun:
                 "placement": self.placement.as_dict(),
                 "max_new_tokens": plan.max_new_tokens,
                 "seed": args.seed,
+                "bootstrap_resamples": args.bootstrap,
                 "eos_token_ids": list(self.eos),
                 "order": "for each prompt, for each temperature, every method in turn",
             },

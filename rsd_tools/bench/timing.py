@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 
 from rsd_tools.bench.planning import AR_DTYPES, Spec
+from rsd_tools.bench.stats import BOOTSTRAP_RESAMPLES, bootstrap_interval
 
 MBSU_FORMULA = (
     "mbsu = block_efficiency / (1 + c * draft_forwards_per_step), c = draft / target single-token forward "
@@ -138,7 +139,9 @@ class Tally:
         self.draft_forwards += counts["draft"]
 
 
-def make_row(spec: Spec, temperature: float, tally: Tally, outputs: list[dict], costs: dict) -> dict:
+def make_row(
+    spec: Spec, temperature: float, tally: Tally, outputs: list[dict], costs: dict, resamples: int = BOOTSTRAP_RESAMPLES
+) -> dict:
     method = spec.method()
     is_hf = spec.name == "hf_assisted"
     calls = tally.target_calls
@@ -148,6 +151,9 @@ def make_row(spec: Spec, temperature: float, tally: Tally, outputs: list[dict], 
     mbsu = None if be is None else (be / (1 + c * fwd_per_step) if c is not None else (be if method is None else None))
     steady_tokens = tally.new_tokens - sum(o["first_step_tokens"] for o in outputs)
     steady_s = sum(o["steady_s"] for o in outputs)
+    per_step = [n for o in outputs for n in (o.get("step_tokens") or [])]
+    whole = bool(outputs) and all(o.get("step_tokens") is not None for o in outputs)
+    ci95 = bootstrap_interval(per_step, resamples) if whole and per_step and resamples > 0 else None
     acceptance = None
     if tally.tried is not None:
         acceptance = [round(a / t, 4) if t else None for a, t in zip(tally.accepted, tally.tried, strict=True)]
@@ -168,8 +174,14 @@ def make_row(spec: Spec, temperature: float, tally: Tally, outputs: list[dict], 
         "draft_forwards": tally.draft_forwards if calls else None,
         "draft_forwards_per_step": fwd_per_step,
         "block_efficiency": be,
+        "block_efficiency_ci95": ci95,  # percentile bootstrap over steps (rsd_tools.bench.stats)
+        "steps": len(per_step) if whole else None,
         "mbsu": mbsu,
         "acceptance_by_depth": acceptance,
+        # the counts behind it: steps that accepted a draft at depth d+1 / reached depth d at a node with
+        # children (a path ending at a leaf above the tree's depth, e.g. RSD-S's early truncation, is neither)
+        "accepted_by_depth": tally.accepted,
+        "tried_by_depth": tally.tried,
         "tokens_per_s": tally.new_tokens / tally.total_s if tally.total_s > 0 else None,
         "speedup_vs_ar": None,  # filled in once every row exists
         "first_step_s": sum(o["first_step_s"] for o in outputs),  # holds both prefills
