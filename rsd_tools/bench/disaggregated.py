@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--drafter-cores", default="0")
     ap.add_argument("--verifier-cores", default="1")
     ap.add_argument("--gateway-cores", default=None, help="default: --drafter-cores")
+    ap.add_argument("--verifier-threads", type=int, default=1)
+    ap.add_argument("--drafter-threads", type=int, default=1)
     ap.add_argument("--ar-placements", default="1;0-1", help="';'-separated cores for the target alone")
     ap.add_argument("--dtype", default="float32", help="the target's dtype (verifier and target alone)")
     ap.add_argument(
@@ -142,13 +144,14 @@ def start_services(draft: Path, target: Path, args, predraft: bool, run_dir: Pat
 
     cluster, env = Cluster(run_dir), service_env()
     v_port, d_port, g_port = free_port(), free_port(), free_port()
-    common = ["--max-len", str(args.max_len), "--threads", "1", "--drain-s", "1"]
+    common = ["--max-len", str(args.max_len), "--drain-s", "1"]
     verifier = verifier_command(
-        v_port, target, "verifier-0", "--dtype", args.dtype, "--num-slots", "2", *common, cores=args.verifier_cores
-    )
+        v_port, target, "verifier-0", "--dtype", args.dtype, "--num-slots", "2", *common,
+        "--threads", str(args.verifier_threads), cores=args.verifier_cores,
+    )  # fmt: skip
     drafter = drafter_command(
         d_port, draft, "drafter-0", "--quantize", args.draft_quantize, "--predraft", "true" if predraft else "false",
-        "--max-sessions", "2", *common, cores=args.drafter_cores,
+        "--max-sessions", "2", *common, "--threads", str(args.drafter_threads), cores=args.drafter_cores,
     )  # fmt: skip
     static = ["--drafters", f"drafter-0=127.0.0.1:{d_port}", "--verifiers", f"verifier-0=127.0.0.1:{v_port}"]
     gateway = gateway_command(g_port, target, *static, "--drain-s", "1", cores=args.gateway_cores)
@@ -283,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
             "drafter_cores": args.drafter_cores,
             "verifier_cores": args.verifier_cores,
             "gateway_cores": args.gateway_cores,
-            "threads_per_service": 1,
+            "verifier_threads": args.verifier_threads,
+            "drafter_threads": args.drafter_threads,
             "ar_same_core": placements[0],
             "ar_whole_machine": placements[1],
         },
@@ -322,7 +326,8 @@ def markdown(result: dict) -> str:
         f"# The pipeline through the services vs the target alone ({Path(result['target']).name}, {result['dtype']})",
         "",
         f"Drafter on cores {p['drafter_cores']} ({Path(result['draft']).name}, quantize {result['draft_quantize']}), "
-        f"verifier on cores {p['verifier_cores']}, one thread each, gateway on cores "
+        f"verifier on cores {p['verifier_cores']}, {p.get('drafter_threads', 1)} / {p.get('verifier_threads', 1)} "
+        "thread(s) (drafter / verifier), gateway on cores "
         f"{p.get('gateway_cores') or 'any'}; {len(result['prompts'])} stdlib prompts x "
         f"{result['max_new_tokens']} new tokens (the target's EOS stops earlier). CPU: {m['cpu_model']}, flags "
         f"{' '.join(m['cpu_flags'])}; load {m['loadavg_start']} at the start, {result['loadavg_end']} at the end.",
