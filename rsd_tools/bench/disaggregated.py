@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.gateway_cores is None:  # the drafter's core: the verifier's forward is the critical path
         args.gateway_cores = args.drafter_cores
     from rsd_runtime.tokenizer import load_tokenizer
-    from rsd_tools.bench.machine import machine_info
+    from rsd_tools.bench.machine import machine_info, write_result
     from rsd_tools.bench.prompts import stdlib_prompts
     from rsd_tools.launcher import model_dirs
 
@@ -308,11 +308,8 @@ def main(argv: list[str] | None = None) -> int:
         },
         "rows": rows,
     }
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out_dir / f"{args.name}.md").write_text(markdown(result))
+    write_result(args.out_dir, args.name, result, markdown(result))
     plot(result, args.out_dir / f"{args.name}-tokens-per-s.png")
-    print(markdown(result))
     return 0
 
 

@@ -18,7 +18,6 @@ Writes benchmarks/results/<name>.json and .md, with the CPU flags and the placem
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import threading
 import time
@@ -26,7 +25,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from rsd_service.placement import add_placement_flags, apply_placement
-from rsd_tools.bench.machine import machine_info
+from rsd_tools.bench.machine import machine_info, write_result
 from rsd_tools.defaults import RESULTS_DIR
 
 
@@ -152,10 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_info(),
         "rows": rows,
     }
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out_dir / f"{args.name}.md").write_text(markdown(result))
-    print(markdown(result))
+    write_result(args.out_dir, args.name, result, markdown(result))
     return 0
 
 

@@ -18,12 +18,11 @@ Writes benchmarks/results/<name>.json and .md, with the CPU flags and the placem
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 from rsd_service.placement import add_placement_flags, apply_placement
-from rsd_tools.bench.machine import machine_info
+from rsd_tools.bench.machine import machine_info, write_result
 from rsd_tools.defaults import RESULTS_DIR
 
 KERNELS = ("f_linear", "torch", "small_gemm")  # rsd_runtime.models.LINEAR_KERNELS (torch loads after placement)
@@ -103,10 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_abs_logit_diff_first_row_vs_one_token": rounding,
         "rows": rows,
     }
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out_dir / f"{args.name}.md").write_text(markdown(result))
-    print(markdown(result))
+    write_result(args.out_dir, args.name, result, markdown(result))
     return 0
 
 

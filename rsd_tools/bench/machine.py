@@ -61,3 +61,11 @@ def _cpu_flags() -> list[str]:
         return []
     flags = {f for line in info.splitlines() if line.startswith(("flags", "Features")) for f in line.split()}
     return [f for f in _NOTABLE_FLAGS if f in flags]
+
+
+def write_result(out_dir: Path, name: str, result: dict, markdown: str) -> None:
+    """<out_dir>/<name>.json and .md, and the markdown on stdout: how the single-file benchmarks end."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out_dir / f"{name}.md").write_text(markdown)
+    print(markdown)
