@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         "context_tokens": args.context,
         "reps": args.reps,
         "summary": "min over reps, interleaved",
-        "placement": {"cores": list(placement.cores), "threads": placement.threads},
+        "placement": {"cores": placement.cores, "threads": placement.threads},
         "machine": machine_info(),
         "max_abs_logit_diff_first_row_vs_one_token": rounding,
         "rows": rows,
