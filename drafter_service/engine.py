@@ -16,7 +16,8 @@ One run of a session at one epoch:
     With pre-drafting (config.predraft, on by default): while the verdict is awaited, a worker
     thread drafts the next tree for the likeliest verdicts (rsd_runtime.predraft.PreDrafter); a
     verdict that matches one sends its tree at once. It pre-drafts until the verdict is in, until
-    the session's measured verify round trip is used up, or predraft_outcomes trees are drafted.
+    the session's measured verify round trip is used up, or predraft_outcomes trees are drafted; the
+    tree in progress when the verdict arrives is finished if it is the verdict's own, else dropped.
 Each step's draws come from step_generator(seed, Stream.DRAFT, root position) here and (seed,
 Stream.VERIFY, root position) in the verifier, so a run equals the in-process
 SpeculativeGenerator.generate with the same seed, token for token, pre-drafting or not.
@@ -31,7 +32,7 @@ import math
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -49,7 +50,7 @@ from rsd_runtime.attention import check_model
 from rsd_runtime.generator import Drafter, Finish, Stream, cut_step, finishes, step_generator
 from rsd_runtime.kvcache import common_prefix_length
 from rsd_runtime.packed import PackedForwards
-from rsd_runtime.predraft import PreDrafter
+from rsd_runtime.predraft import Outcome, PreDrafter, outcome_of
 from rsd_runtime.runner import ModelRunner
 from rsd_service.security import channel, peer_security
 from rsd_service.status import Conflict, Exhausted
@@ -239,21 +240,25 @@ class DrafterPool:
                     )
                     if ahead is not None:
                         ahead.start(committed, tree, job.max_new_tokens - (len(committed) - start), t1)
+                    verdict = None
                     try:
                         reply = await call.exchange(msg, cancel)
+                        t2 = time.perf_counter()
+                        if reply is not None:
+                            verdict = check_verdict(reply, msg, tree)
                     finally:
-                        if ahead is not None:
-                            await ahead.stop()  # the runner is free again, holding tree t's state
+                        if ahead is not None:  # the runner is free again after this, holding tree t's state
+                            await ahead.stop(verdict)
                     if reply is None:
                         yield StepResult(len(committed), [], None, common_pb2.FINISH_REASON_CANCELLED)
                         return
-                    t2 = time.perf_counter()
-                    verdict = check_verdict(reply, msg, tree)
                     stats = common_pb2.StepStats(
                         num_draft_tokens=tree.num_nodes - 1,
                         num_accepted_tokens=len(verdict.accepted_ids),
                         is_bonus=verdict.is_bonus,
-                        draft_ms=(t1 - t0) * 1000,
+                        # The time spent finishing (or dropping) a pre-draft after the verdict delays this
+                        # step's tokens as drafting would: it is draft time.
+                        draft_ms=(t1 - t0 + time.perf_counter() - t2) * 1000,
                         round_trip_ms=(t2 - t1) * 1000,
                         verifier=reply.stats,
                     )
@@ -305,8 +310,8 @@ class DrafterPool:
 
 
 class _Ahead:
-    """A run's pre-drafting (rsd_runtime.predraft): start() when a tree is sent, stop() when its verdict
-    is in, take() the tree drafted for that verdict, if any. Measured per session: the verify round
+    """A run's pre-drafting (rsd_runtime.predraft): start() when a tree is sent, stop(verdict) when its
+    verdict is in, take() the tree drafted for that verdict, if any. Measured per session: the verify round
     trip (pre-drafting starts no tree once it is used up) and whether recent steps hit."""
 
     def __init__(self, engine: DrafterPool, slot: _Slot, drafter: Drafter, job: RunJob):
@@ -315,19 +320,28 @@ class _Ahead:
         self.pre = PreDrafter(drafter, job.method, job.sampling, job.seed, self.max_outcomes)
         self.round_trip_s = math.inf
         self.recent_hits: deque[bool] = deque(maxlen=PREDRAFT_PROBATION_STEPS)  # steps that pre-drafted
-        self._stop, self._task = threading.Event(), None
+        self._arrived, self._verdict, self._task = threading.Event(), None, None
 
     def start(self, committed: list[int], tree: DraftTree, budget: int, sent_at: float) -> None:
         """Tree was drafted from `committed` and goes out now; `budget` new tokens are left to the run."""
         self.pre.begin(committed, tree, partial(finishes, budget=budget, eos_token_ids=self.job.eos_token_ids))
         cold = len(self.recent_hits) == self.recent_hits.maxlen and not any(self.recent_hits)
         limit = 1 if cold else self.max_outcomes
-        self._stop = threading.Event()
+        self._arrived, self._verdict = threading.Event(), None
         deadline = sent_at + self.round_trip_s
-        self._task = self.engine._in_thread(self.slot, predraft_while_waiting, self.pre, self._stop, deadline, limit)
+        self._task = self.engine._in_thread(
+            self.slot, predraft_while_waiting, self.pre, self._halt, self._arrived, deadline, limit
+        )
 
-    async def stop(self) -> None:
-        self._stop.set()
+    def _halt(self, outcome: Outcome | None) -> bool:
+        """Whether to stop drafting `outcome` (None: ranking): once the verdict is in, unless it is that
+        outcome, whose tree is the next one and runs to its end. Worker thread."""
+        return self._arrived.is_set() and (outcome is None or outcome != self._verdict)
+
+    async def stop(self, verdict: Verdict | None) -> None:
+        """The verdict is in (None: the exchange failed or was cancelled): drop every pre-draft but its own."""
+        self._verdict = None if verdict is None else outcome_of(verdict)
+        self._arrived.set()
         if self._task is not None:
             await asyncio.wait({self._task})
 
@@ -351,11 +365,14 @@ class _Ahead:
         return next_tree
 
 
-def predraft_while_waiting(pre: PreDrafter, stop: threading.Event, deadline: float, limit: int) -> None:
-    """Pre-draft outcome after outcome until the verdict is in (stop), the session's measured verify
-    round trip is used up (deadline, perf_counter seconds), `limit` trees are drafted or none is
-    left. Worker thread."""
-    while len(pre.drafts) < limit and time.perf_counter() < deadline and pre.draft_next(stop.is_set):
+def predraft_while_waiting(
+    pre: PreDrafter, halt: Callable[[Outcome | None], bool], arrived: threading.Event, deadline: float, limit: int
+) -> None:
+    """Pre-draft outcome after outcome until the verdict has arrived, the session's measured verify round
+    trip is used up (deadline, perf_counter seconds), `limit` trees are drafted or none is left. halt(outcome)
+    is asked before each forward: the tree being drafted when the verdict arrives is finished if it is the
+    verdict's own (a head start on the next step), else dropped. Worker thread."""
+    while not arrived.is_set() and len(pre.drafts) < limit and time.perf_counter() < deadline and pre.draft_next(halt):
         pass
 
 

@@ -10,7 +10,8 @@ Words used below:
 
     pre = PreDrafter(drafter, method, params, seed, max_outcomes=4)
     pre.begin(committed, tree, finishes)   # tree t was sent; the drafter's runner holds its forwards
-    while pre.draft_next(stop): ...        # one more outcome per call (a worker thread, while waiting)
+    while pre.draft_next(stop): ...        # one more outcome per call (a worker thread, while waiting);
+                                           # stop(outcome) is asked before each forward of that outcome
     next_tree = pre.take(verdict)          # hit: tree t+1, the drafter holds its state; miss: None, the
                                            # drafter holds tree t's state (accept + draft as usual)
 
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -104,16 +106,18 @@ class PreDrafter:
         self.base = self.runner.save(self.runner.cache_len)
         self.drafts, self.num_forwards, self._ranked = {}, 0, None
 
-    def draft_next(self, stop: Callable[[], bool] | None = None) -> bool:
+    def draft_next(self, stop: Callable[[Outcome | None], bool] | None = None) -> bool:
         """Pre-draft one more outcome (the first call also ranks them); False when there is none left
-        or stop() said True (checked before each forward; a stopped draft is dropped)."""
+        or stop said True. stop(outcome) is asked before each forward of that outcome's tree (None while
+        ranking): the caller can let the one tree the verdict wants run to its end and drop the others.
+        A stopped draft is dropped."""
         try:
             if self._ranked is None:
-                self._ranked = self.rank(stop)
+                self._ranked = self.rank(None if stop is None else partial(stop, None))
             while self._ranked:
                 outcome = self._ranked.pop(0)
                 if outcome not in self.drafts:
-                    self.drafts[outcome] = self._draft(outcome, stop)
+                    self.drafts[outcome] = self._draft(outcome, None if stop is None else partial(stop, outcome))
                     return True
             return False
         except DraftStopped:

@@ -9,6 +9,8 @@ either; a pre-drafted tree handed out for another outcome is caught.
 from __future__ import annotations
 
 import asyncio
+import math
+import threading
 
 import pytest
 import torch
@@ -43,7 +45,7 @@ def _never_right(self, stop):
     return [((), int(self.tree.draft_probs[0].argmin()))]
 
 
-def _predraft_all(pre: PreDrafter, stop, deadline, limit) -> None:
+def _predraft_all(pre: PreDrafter, halt, arrived, deadline, limit) -> None:
     """drafter_service.engine.predraft_while_waiting without its stops: every outcome, whatever the time."""
     while pre.draft_next():
         pass
@@ -176,6 +178,39 @@ def test_a_tree_for_another_outcome_is_caught(pair):
     assert torch.equal(drafter.runner.cache.layers[0].keys[:, :, :n], keys_before)
 
 
+def test_the_verdicts_own_tree_is_finished_after_it_arrives_and_the_others_dropped(pair):
+    """The engine's worker loop: the verdict arrives while the first outcome's tree is one forward in.
+    If it is that outcome, the tree runs to its end (equal to drafting it fresh) and no other starts;
+    if not, it is dropped at its next forward."""
+    draft, _ = pair
+    method, params = Method.parse("rsd_s", "2x3"), SamplingParams(1.0)
+    for verdict_is_first in (True, False):
+        drafter = Drafter(ModelRunner(draft, MAX_LEN))
+        tree = drafter.draft(PROMPT, method, params, step_generator(1, Stream.DRAFT, len(PROMPT) - 1))
+        pre = PreDrafter(drafter, method, params, seed=1, max_outcomes=3)
+        pre.begin(PROMPT, tree, finishes=lambda tokens: False)
+        first, second = pre.rank(None)[:2]
+        verdict_outcome = first if verdict_is_first else second
+        arrived, asked = threading.Event(), []
+
+        def halt(outcome, asked=asked, arrived=arrived, first=first, verdict_outcome=verdict_outcome):
+            asked.append(outcome)
+            if outcome == first and asked.count(first) == 2:  # one forward of `first` ran: the verdict is in
+                arrived.set()
+            return arrived.is_set() and outcome != verdict_outcome
+
+        drafter_engine.predraft_while_waiting(pre, halt, arrived, deadline=math.inf, limit=3)
+        assert list(pre.drafts) == ([first] if verdict_is_first else [])
+        if verdict_is_first:
+            other = Drafter(ModelRunner(draft, MAX_LEN))  # the same tree pre-drafted without interruption
+            other.draft(PROMPT, method, params, step_generator(1, Stream.DRAFT, len(PROMPT) - 1))
+            whole = PreDrafter(other, method, params, seed=1, max_outcomes=3)
+            whole.begin(PROMPT, tree, finishes=lambda tokens: False)
+            assert whole.draft_next() and list(whole.drafts) == [first]
+            assert torch.equal(pre.drafts[first].tree.token_ids, whole.drafts[first].tree.token_ids)
+            assert torch.equal(pre.drafts[first].tree.draft_probs, whole.drafts[first].tree.draft_probs)
+
+
 # ---------------------------------------------------------------------------------------------
 # 4. through the services
 
@@ -255,3 +290,29 @@ def test_predraft_settings_from_flags_and_env():
     assert (DrafterConfig().predraft, DrafterConfig().predraft_outcomes) == (True, 4)  # on by default
     with pytest.raises(ValueError, match="predraft_outcomes"):
         load_config(DrafterConfig, "drafter", ["--predraft-outcomes", "0"], env={})
+
+
+def test_predraft_coverage_benchmark_smoke(tmp_path):
+    """rsd_tools.bench.predraft_coverage on the tiny pair: hit rates at k grow with k, the cost table is filled."""
+    import json
+
+    from rsd_tools.bench import predraft_coverage
+
+    draft_dir, target_dir = build_tiny_pair(tmp_path / "models", "qwen2")
+    argv = ["--draft", str(draft_dir), "--target", str(target_dir), "--dtype", "float32", "--draft-quantize", "none"]
+    argv += ["--methods", "rsd_s:2x2;sd:3", "--temperatures", "0,1", "--num-prompts", "1", "--max-new-tokens", "8"]
+    argv += ["--max-outcomes", "4", "--rows", "1,2", "--prompt-tokens", "12", "--reps", "1"]
+    assert predraft_coverage.main([*argv, "--name", "smoke", "--out-dir", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "smoke.json").read_text())
+    assert result["complete"] and "cpu_flags" in result["machine"]
+    assert [(c["method"], c["temperature"]) for c in result["coverage"]] == [
+        ("rsd_s", 0.0),
+        ("rsd_s", 1.0),
+        ("sd", 0.0),
+        ("sd", 1.0),
+    ]
+    for c in result["coverage"]:
+        rates = [c["hit_rate_at_k"][k] for k in ("1", "2", "4")]
+        assert c["steps"] > 0 and rates == sorted(rates) and rates[0] >= 0 and rates[-1] <= 1
+    assert [c["rows"] for c in result["draft_forward_cost"]] == [1, 2]
+    assert "hit rate, k = 4" in (tmp_path / "smoke.md").read_text()
