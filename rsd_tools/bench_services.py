@@ -128,19 +128,24 @@ def start_services(
     threads, drain = ["--threads", str(args.threads)], ["--drain-s", "1"]
     slots = str(max(8, *args.sessions))
     v_port, d_port, g_port = free_port(), free_port(), free_port()
-    verifier_flags = ["--num-slots", slots, "--max-len", str(args.max_len), *threads]
+    verifier_flags = ["--num-slots", slots, "--max-len", str(args.max_len), "--dtype", args.dtype, *threads]
     if args.batch_wait_ms is not None:
         verifier_flags += ["--batch-wait-ms", str(args.batch_wait_ms)]
-    verifier_cmd = verifier_command(v_port, target_dir, "verifier-0", *verifier_flags, *drain)
+    verifier_cmd = verifier_command(
+        v_port, target_dir, "verifier-0", *verifier_flags, *drain, cores=args.verifier_cores
+    )
     drafter_flags = ["--max-sessions", slots, "--max-len", str(args.max_len), *threads]
-    drafter_flags += ["--proposal-top-k", str(args.draft_top_k), *drain]
+    drafter_flags += ["--proposal-top-k", str(args.draft_top_k), "--quantize", args.draft_quantize, *drain]
+    if args.predraft is not None:
+        drafter_flags += ["--predraft", args.predraft]
     static = ["--drafters", f"drafter-0=127.0.0.1:{d_port}", "--verifiers", f"verifier-0=127.0.0.1:{v_port}"]
     try:
         batching_flag = ["--batching", "true" if batching else "false"]
         cluster.spawn(_verifier_name(batching), [*verifier_cmd, *batching_flag], env, f"127.0.0.1:{v_port}")
-        drafter_cmd = drafter_command(d_port, draft_dir, "drafter-0", *drafter_flags)
+        drafter_cmd = drafter_command(d_port, draft_dir, "drafter-0", *drafter_flags, cores=args.drafter_cores)
         cluster.spawn(_drafter_name(True), [*drafter_cmd, "--batching", "true"], env, f"127.0.0.1:{d_port}")
-        cluster.spawn("gateway", gateway_command(g_port, target_dir, *static, *drain), env, f"127.0.0.1:{g_port}")
+        gateway = gateway_command(g_port, target_dir, *static, *drain, cores=args.gateway_cores)
+        cluster.spawn("gateway", gateway, env, f"127.0.0.1:{g_port}")
     except BaseException:
         cluster.stop(15.0)
         raise
@@ -171,10 +176,12 @@ def make_prompts(tokenizer, args) -> list[list[int]]:
 def load_models(draft_dir: Path, target_dir: Path, args) -> list:
     import torch
 
-    from rsd_runtime.models import load_model
+    from rsd_runtime.models import load_model, quantize_draft
 
     torch.set_num_threads(args.threads)
-    return [load_model(draft_dir), load_model(target_dir)]
+    draft = load_model(draft_dir)
+    quantize_draft(draft, args.draft_quantize)
+    return [draft, load_model(target_dir, dtype=args.dtype)]
 
 
 class InProcess:
@@ -221,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="capacity part: batching settings in order, each verifier[/drafter] on|off (drafter default on)",
     )
     ap.add_argument("--overhead-only", action="store_true", help="skip the capacity part")
+    ap.add_argument("--capacity-only", action="store_true", help="skip the overhead part (and its in-process runs)")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--num-prompts", type=int, default=3)
     ap.add_argument("--prompt-len", type=int, default=16, help="tiny prompts: words")
@@ -233,6 +241,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process (this one included)")
     ap.add_argument("--draft-top-k", type=int, default=256, help="the drafter's proposal_top_k (both sides)")
     ap.add_argument("--max-len", type=int, default=1024)
+    ap.add_argument("--dtype", default="float32", help="the target's dtype (verifier and in-process)")
+    ap.add_argument("--draft-quantize", default="none", help="the drafter's quantize: none, int8, auto")
+    ap.add_argument("--predraft", choices=["true", "false"], default=None, help="the drafter's (default: its own)")
+    ap.add_argument("--verifier-cores", default="", help="CPU list for the verifier (default: any)")
+    ap.add_argument("--drafter-cores", default="", help="CPU list for the drafter (default: any)")
+    ap.add_argument("--gateway-cores", default="", help="CPU list for the gateway (default: any)")
     ap.add_argument("--batch-wait-ms", type=float, default=None, help="the verifier's (default: its own)")
     ap.add_argument("--start-timeout-s", type=float, default=600.0)
     ap.add_argument("--request-timeout-s", type=float, default=3600.0)
@@ -338,15 +352,16 @@ def main(argv: list[str] | None = None) -> int:
     # are healthy), and in-process and gateway runs alternate prompt by prompt, so that a change of
     # the machine's load hits both sides alike. Real models: in-process first, freed, then the
     # services (memory).
-    interleave, services, ip, reference = args.tiny, None, None, {}
+    interleave, services, ip, reference = args.tiny and not args.capacity_only, None, None, {}
     if interleave:
         log(f"starting services (logs in {run_dir})")
         services = start_services(draft_dir, target_dir, args, run_dir, batching=True)
     try:
-        ip = InProcess(load_models(draft_dir, target_dir, args), prompts, eos, args)
+        if not args.capacity_only:  # the in-process reference of the overhead part
+            ip = InProcess(load_models(draft_dir, target_dir, args), prompts, eos, args)
         if services is not None:
             wait_services(services, args.start_timeout_s)
-        else:
+        elif not args.capacity_only:
             log(f"in-process reference: {len(prompts)} prompt(s) x T={args.temperatures}")
             reference = {t: [ip.run(p, t, args.seed + i) for i, p in enumerate(prompts)] for t in args.temperatures}
             ip = None
@@ -363,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         address = services.gateway_address
         gateway_run(address, prompts[0], args, 0.0, args.seed, max_new_tokens=8)  # warm-up (first forwards, channels)
-        for temp in args.temperatures:
+        for temp in [] if args.capacity_only else args.temperatures:
             runs, ref = [], reference.get(temp, [])
             for i, prompt in enumerate(prompts):
                 if ip is not None:

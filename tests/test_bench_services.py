@@ -112,3 +112,23 @@ def test_batching_settings_parse():
     for bad in ("off,on", "on,maybe", "on,on/x"):
         with pytest.raises(SystemExit):
             parse_batching(bad)
+
+
+def test_bench_services_capacity_only_with_placement_smoke(tmp_path):
+    """--capacity-only skips the overhead part (and its in-process runs); the services start with the
+    placement, quantize and predraft flags and the capacity rows are there."""
+    cmd = [sys.executable, "-m", "rsd_tools.bench_services", "--tiny", "--cache-dir", str(tmp_path / "models")]
+    cmd += ["--vocab-size", "256", "--hidden-size", "64", "--num-layers", "2", "--draft-layers", "1"]
+    cmd += ["--sessions", "2", "--max-new-tokens", "6", "--num-prompts", "1", "--method", "rsd_s", "--shape", "2x2"]
+    cmd += ["--name", "cap", "--out-dir", str(tmp_path / "out"), "--run-dir", str(tmp_path / "logs")]
+    cmd += ["--start-timeout-s", "120", "--batching", "on", "--capacity-only", "--draft-quantize", "int8"]
+    cores = "0" if os.cpu_count() == 1 else "0-1"
+    cmd += ["--predraft", "false", "--verifier-cores", cores, "--drafter-cores", "0", "--gateway-cores", "0"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads((tmp_path / "out" / "cap.json").read_text())
+    assert report["overhead"] == []
+    assert [(r["sessions"], r["temperature"]) for r in report["capacity"]] == [(1, 0.0), (2, 0.0), (2, 1.0)]
+    assert all(r["tokens"] == 6 * r["sessions"] for r in report["capacity"])
+    assert "--capacity-only" in report["command"] and "--draft-quantize int8" in report["command"]
