@@ -33,7 +33,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -42,6 +41,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rsd_tools.bench.machine import machine_info
 from rsd_tools.bench_services_report import MISSING, SPLIT_DEFINITIONS, render_md
 from rsd_tools.defaults import CODE_PROMPT, DEFAULT_METHOD, DEFAULT_SHAPES, RESULTS_DIR, TEMPERATURES
 from rsd_tools.gateway_runs import Run, concurrent_runs, est_ratio, gateway_run, step_split
@@ -336,6 +336,7 @@ def measure_capacity(services: Services, prompts: list[list[int]], args, log) ->
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     t_start = time.perf_counter()
+    machine = machine_info()  # the CPU flags and the load before anything starts
 
     from rsd_runtime.tokenizer import load_tokenizer
 
@@ -396,14 +397,12 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         services.cluster.stop(at_once=True)
 
-    import torch
-
     report = {
         "name": args.name,
         "created": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "command": "python -m rsd_tools.bench_services " + " ".join(argv if argv is not None else sys.argv[1:]),
         "elapsed_s": round(time.perf_counter() - t_start, 1),
-        "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+        "host": {"cpus": os.cpu_count(), **machine, "loadavg_end": [round(x, 2) for x in os.getloadavg()]},
         "models": {
             "draft": str(draft_dir),
             "target": str(target_dir),
@@ -419,6 +418,14 @@ def main(argv: list[str] | None = None) -> int:
             "temperatures": args.temperatures,
             "sessions": args.sessions if not args.overhead_only else [],
             "threads": args.threads,
+            "placement": {  # "" = not pinned
+                "verifier_cores": args.verifier_cores,
+                "drafter_cores": args.drafter_cores,
+                "gateway_cores": args.gateway_cores,
+            },
+            "dtype": args.dtype,
+            "draft_quantize": args.draft_quantize,
+            "predraft": args.predraft or "the drafter's default",
             "draft_top_k": args.draft_top_k,
             "seed": args.seed,
             "batch_wait_ms": args.batch_wait_ms,

@@ -15,6 +15,7 @@ def render_md(report: dict) -> str:
         f"draft top-k {s['draft_top_k']}, torch threads {s['threads']} per process, "
         f"{report['host']['cpus']} CPUs. Services as processes, embedded gateway store, no Redis.",
         "",
+        *_placement_lines(report),
         "## Distributed overhead (1 session; gateway tok/s / in-process tok/s)",
         "",
         "| T | in-process tok/s | gateway tok/s | ratio | ratio from step split | tokens match | block eff. "
@@ -90,3 +91,18 @@ MISSING = [
     "transfer is not split into the two directions nor into serialisation vs network (no timestamps cross the wire)",
     "the verifier's Attach / prefill time is not reported; it is part of first_step_ms here",
 ]
+
+
+def _placement_lines(report: dict) -> list[str]:
+    """The CPU, the load and where each service ran (reports written before these fields: nothing)."""
+    host, s = report["host"], report["settings"]
+    if "placement" not in s:
+        return []
+    cores = {k: v or "any" for k, v in s["placement"].items()}
+    return [
+        f"Target dtype {s['dtype']}, drafter quantize {s['draft_quantize']}, pre-drafting {s['predraft']}; "
+        f"cores: verifier {cores['verifier_cores']}, drafter {cores['drafter_cores']}, gateway "
+        f"{cores['gateway_cores']}. CPU: {host.get('cpu_model', '?')}, flags {' '.join(host.get('cpu_flags', []))}; "
+        f"load {host.get('loadavg_start')} at the start, {host.get('loadavg_end')} at the end.",
+        "",
+    ]

@@ -16,6 +16,12 @@ Processes (started by rsd_tools.launcher), each `python -m <service>` with its l
 With Redis the services register themselves and the gateways find them in the registry; without
 it the one gateway keeps sessions in its embedded store and is given the services' addresses.
 
+Placement by default: no cores given, each model service takes one torch thread per core (--threads 0)
+and the drafter and the verifier take turns on all of them, pre-drafting off (--predraft auto); the
+drafter is int8 where a measurement at load finds it faster (--draft-quantize auto). On the 2-core CPUs
+measured this beat one core each with pre-drafting (README, *The deciding benchmark*); give disjoint
+--drafter-cores/--verifier-cores (pre-drafting then turns on) where each side has bandwidth of its own.
+
 Security (ClusterSecurity; off by default): --secure turns on whatever the flags below do not give,
 with throwaway files in <run dir>/secure: a CA with a server and a client certificate (rsd_service.pki),
 a random public token and a random internal token. Given files: --tls-cert/--tls-key/--tls-ca (every
@@ -299,7 +305,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per model process (0: torch's default)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads per model process (default 0: one per core it may use, all cores when not pinned)",
+    )
     ap.add_argument(
         "--dtype",
         default="float32",
@@ -318,9 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     place.add_argument(
         "--draft-quantize",
-        default="none",
+        default="auto",
         choices=QUANTIZE_MODES,
-        help="int8 drafter (auto: if faster)",
+        help="the drafter's quantisation (default auto: int8 where a measurement at load finds it faster)",
     )
     place.add_argument(
         "--predraft",

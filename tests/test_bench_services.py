@@ -132,3 +132,10 @@ def test_bench_services_capacity_only_with_placement_smoke(tmp_path):
     assert [(r["sessions"], r["temperature"]) for r in report["capacity"]] == [(1, 0.0), (2, 0.0), (2, 1.0)]
     assert all(r["tokens"] == 6 * r["sessions"] for r in report["capacity"])
     assert "--capacity-only" in report["command"] and "--draft-quantize int8" in report["command"]
+    # the result records where each service ran, how, and on what CPU
+    s = report["settings"]
+    assert s["placement"] == {"verifier_cores": cores, "drafter_cores": "0", "gateway_cores": "0"}
+    assert (s["dtype"], s["draft_quantize"], s["predraft"]) == ("float32", "int8", "false")
+    assert "cpu_flags" in report["host"] and len(report["host"]["loadavg_end"]) == 3
+    md = (tmp_path / "out" / "cap.md").read_text()
+    assert f"cores: verifier {cores}, drafter 0, gateway 0" in md and "flags" in md

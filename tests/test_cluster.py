@@ -53,6 +53,8 @@ def test_cluster_runs_every_service_as_a_process(cluster):
     for p in started.processes:  # both model services get the launcher's dtype (default float32)
         if p.name.startswith(("verifier", "drafter")):
             assert p.proc.args[p.proc.args.index("--dtype") + 1] == "float32"
+        if p.name.startswith("drafter"):  # and the drafter the fastest of its quantize settings
+            assert p.proc.args[p.proc.args.index("--quantize") + 1] == "auto"
 
 
 def test_generation_through_the_gateway(cluster, capsys):
@@ -316,3 +318,11 @@ def test_predraft_follows_placement(flags, on):
     from rsd_tools.cluster import predraft_on
 
     assert predraft_on(build_parser().parse_args(flags)) is on
+
+
+def test_model_services_default_to_all_cores_and_the_fastest_drafter():
+    """No --threads: each model service takes one torch thread per core it may use (the service's own
+    default), so unpinned services take turns on every core; the drafter's quantize is auto (int8 where
+    a measurement at load finds it faster)."""
+    args = build_parser().parse_args([])
+    assert (args.threads, args.draft_quantize) == (0, "auto")

@@ -308,7 +308,8 @@ def test_model_paths_are_in_the_model_volume(compose, services):
 def test_gpu_and_cpu_profiles_set_the_same_fields(services):
     gpu, cpu = _by_module(services, "gpu"), _by_module(services, "cpu")
     for module in SERVICES:
-        assert set(gpu[module]) == set(cpu[module]) - {"threads", "cores"}, module  # CPU placement: cpu only
+        # CPU placement and the int8 drafter (CPU kernels only): the cpu profile's alone
+        assert set(gpu[module]) == set(cpu[module]) - {"threads", "cores", "quantize"}, module
 
 
 def test_cpu_models_job_builds_the_pair_the_cpu_services_load(services, tmp_path, monkeypatch, capsys):
