@@ -58,7 +58,7 @@ def forward_with_catch_up(
     ids = torch.tensor(behind + token_ids.tolist(), dtype=torch.long)
     chain = list(range(-1, m - 1))
     parents = torch.tensor(chain + [p + m if p >= 0 else m - 1 for p in parent_idx.tolist()], dtype=torch.long)
-    return forward(runner, ids, parents)[m:]
+    return forward(runner, ids, parents, logits_rows=len(token_ids))  # the chain needs no logits
 
 
 def commit_path(

@@ -40,7 +40,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from rsd_runtime.attention import AttentionPlan, check_model
-from rsd_runtime.runner import ModelRunner, PreparedForward
+from rsd_runtime.runner import ModelRunner, PreparedForward, model_logits
 
 
 class _PackedLayer(CacheLayerMixin):
@@ -81,8 +81,9 @@ def forward_packed(
     model: PreTrainedModel, plan: AttentionPlan, steps: list[tuple[ModelRunner, PreparedForward]]
 ) -> list[Tensor]:
     """Run every runner's prepared forward (ModelRunner.prepare) in one model call; -> each one's
-    logits [n_i, V] float32. The runners must be distinct and hold `model`; plan must cover Σ kv_len_i
-    keys (check_model(model, that many)). One step alone is that runner's own forward."""
+    logits [logits_rows_i, V] float32 (the last logits_rows_i of its n_i tokens). The runners must be
+    distinct and hold `model`; plan must cover Σ kv_len_i keys (check_model(model, that many)). One
+    step alone is that runner's own forward."""
     if len({id(r) for r, _ in steps}) != len(steps):
         raise ValueError("a runner appears twice in one packed forward")
     if any(r.model is not model for r, _ in steps):
@@ -104,8 +105,14 @@ def forward_packed(
     mask = plan.masks(allowed.to(dev), q_pos.to(dev), k_pos.to(dev), model.dtype)
     num_layers = len(steps[0][0].cache.layers)
     cache = Cache(layers=[_PackedLayer([r.cache.layers[i] for r, _ in steps], sizes) for i in range(num_layers)])
+    ends = torch.tensor(sizes).cumsum(0).tolist()
+    keep = [step.logits_rows for _, step in steps]
+    rows = torch.cat([torch.arange(end - k, end) for end, k in zip(ends, keep, strict=True)])  # [Σ logits_rows_i]
     try:
-        out = model(
+        logits = model_logits(
+            model,
+            rows,
+            ends[-1],
             input_ids=torch.cat([step.token_ids for _, step in steps]).to(dev, torch.long)[None],  # [1, T]
             attention_mask=mask,
             position_ids=q_pos[None].to(dev),  # [1, T]
@@ -118,7 +125,7 @@ def forward_packed(
         raise
     for runner, step in steps:
         runner.ran(step)
-    return list(out.logits[0].float().split(sizes))  # [n_i, V] each
+    return list(logits.split(keep))  # [logits_rows_i, V] each
 
 
 @dataclass
@@ -171,10 +178,12 @@ class PackedForwards:
                 self._drafting -= 1
                 self._cond.notify_all()  # one fewer to wait for
 
-    def forward(self, runner: ModelRunner, token_ids: Tensor, parent_idx: Tensor) -> Tensor:
-        """ModelRunner.forward(token_ids, parent_idx), packed with other threads' forwards. Bad input
-        raises here, in the caller's thread, before anything is queued."""
-        call = _Call(runner, runner.prepare(token_ids, parent_idx), time.perf_counter())
+    def forward(
+        self, runner: ModelRunner, token_ids: Tensor, parent_idx: Tensor, logits_rows: int | None = None
+    ) -> Tensor:
+        """ModelRunner.forward(token_ids, parent_idx, logits_rows), packed with other threads' forwards.
+        Bad input raises here, in the caller's thread, before anything is queued."""
+        call = _Call(runner, runner.prepare(token_ids, parent_idx, logits_rows), time.perf_counter())
         with self._cond:
             self._pending.append(call)
             self._cond.notify_all()

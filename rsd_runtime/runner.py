@@ -18,6 +18,8 @@ Example: a prompt [a, b, c] then a draft tree with two candidates for the next t
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -50,6 +52,25 @@ class PreparedForward:
     allowed: Tensor  # [n, cache_len + T] bool: what each new token may attend to (T tentative after it ran)
     q_pos: Tensor  # [n] the new tokens' positions
     k_pos: Tensor  # [cache_len + T] the keys' positions
+    logits_rows: int  # the last logits_rows of the n new tokens get logits (a catch-up chain needs none)
+
+
+def model_logits(model: PreTrainedModel, rows: Tensor, total: int, **inputs) -> Tensor:
+    """model(**inputs) over `total` positions -> float32 logits [R, V] at positions rows [R] (long).
+    Only those rows go through the output layer where the model's forward takes logits_to_keep (a
+    prefill's catch-up chain needs no logits: on the 1.5B target the 1,536 x 151,936 output layer is
+    ~15% of a token's multiply-adds, and a [T, V] float32 copy of 600 KB a token); else sliced after."""
+    if len(rows) == total:
+        return model(**inputs).logits[0].float()
+    rows = rows.to(model.device)
+    if _takes_logits_to_keep(type(model)):
+        return model(**inputs, logits_to_keep=rows).logits[0].float()
+    return model(**inputs).logits[0][rows].float()
+
+
+@functools.cache
+def _takes_logits_to_keep(cls: type) -> bool:
+    return "logits_to_keep" in inspect.signature(cls.forward).parameters
 
 
 class ModelRunner:
@@ -94,19 +115,24 @@ class ModelRunner:
         self.cache_len, self._parents = state.cache_len, list(state.parents)
 
     @torch.inference_mode()
-    def forward(self, token_ids: Tensor, parent_idx: Tensor) -> Tensor:
+    def forward(self, token_ids: Tensor, parent_idx: Tensor, logits_rows: int | None = None) -> Tensor:
         """Run n new tentative tokens; parent_idx indexes all tentative tokens since the last commit
-        (earlier calls first) or is -1 for a child of the last committed token. Returns [n, V] float32."""
-        return self.run(self.prepare(token_ids, parent_idx))
+        (earlier calls first) or is -1 for a child of the last committed token. Returns the logits of
+        the last logits_rows tokens (default all n): [logits_rows, V] float32."""
+        return self.run(self.prepare(token_ids, parent_idx, logits_rows))
 
     @torch.inference_mode()
     def run(self, step: PreparedForward) -> Tensor:
-        """Run a forward prepared by prepare() (nothing ran on this runner since); -> logits [n, V] float32."""
-        dev = self.device
+        """Run a forward prepared by prepare() (nothing ran on this runner since); -> logits
+        [step.logits_rows, V] float32."""
+        dev, n = self.device, len(step.parents)
         # Float additive masks (eager adds a bool mask as +1/+0, silently wrong), windows by position.
         mask = self.plan.masks(step.allowed.to(dev), step.q_pos.to(dev), step.k_pos.to(dev), self.dtype)
         try:
-            out = self.model(
+            logits = model_logits(
+                self.model,
+                torch.arange(n - step.logits_rows, n),
+                n,
                 input_ids=step.token_ids.to(dev, torch.long)[None],  # [1, n]
                 attention_mask=mask,
                 position_ids=step.q_pos[None].to(dev),  # [1, n]
@@ -117,13 +143,17 @@ class ModelRunner:
             self.undo()
             raise
         self.ran(step)
-        return out.logits[0].float()  # [n, V]
+        return logits
 
-    def prepare(self, token_ids: Tensor, parent_idx: Tensor) -> PreparedForward:
+    def prepare(self, token_ids: Tensor, parent_idx: Tensor, logits_rows: int | None = None) -> PreparedForward:
         """Validate a forward's tokens and work out its mask and positions; nothing runs yet. The forward
         itself (this runner's, or a packed one over many runners: rsd_runtime.packed) then writes the
-        new K/V through self.cache and calls ran(); on failure, undo()."""
+        new K/V through self.cache and calls ran(); on failure, undo(). logits_rows: see forward()."""
         parents = self._validate_forward(token_ids, parent_idx)
+        n = len(parents)
+        logits_rows = n if logits_rows is None else logits_rows
+        if not 1 <= logits_rows <= n:
+            raise ValueError(f"logits_rows must be in [1, {n}] (the new tokens), got {logits_rows}")
         num_old = self.num_tentative
         all_parents = self._parents + parents
         # rsd.tree wants one root: prepend a virtual root standing for the last committed token.
@@ -134,7 +164,7 @@ class ModelRunner:
         allowed = torch.ones(len(parents), self.cache_len + len(all_parents), dtype=torch.bool)  # [n, cache_len + T]
         allowed[:, self.cache_len :] = new_rows
         key_pos = torch.cat([torch.arange(self.cache_len), tentative_pos])  # [cache_len + T]
-        return PreparedForward(token_ids, parents, allowed, tentative_pos[num_old:], key_pos)
+        return PreparedForward(token_ids, parents, allowed, tentative_pos[num_old:], key_pos, logits_rows)
 
     def ran(self, step: PreparedForward) -> None:
         """The prepared forward ran: its tokens are tentative now."""
@@ -206,5 +236,6 @@ class ModelRunner:
 
 
 # How a drafter runs a runner's forward: ModelRunner.forward itself, or packed with other sessions'
-# (rsd_runtime.packed.PackedForwards.forward). (runner, token_ids [n], parent_idx [n]) -> logits [n, V].
-Forward = Callable[[ModelRunner, Tensor, Tensor], Tensor]
+# (rsd_runtime.packed.PackedForwards.forward). (runner, token_ids [n], parent_idx [n], logits_rows=None)
+# -> logits [logits_rows or n, V].
+Forward = Callable[..., Tensor]

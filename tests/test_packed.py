@@ -69,6 +69,25 @@ def test_packed_forward_equals_each_runners_own(model):
         torch.testing.assert_close(pa.forward(*nxt), lo.forward(*nxt), atol=ATOL, rtol=0)
 
 
+def test_packed_forward_computes_only_the_rows_each_segment_asks_for(model):
+    """logits_rows per segment (a catch-up chain before a tree wants no logits): the output layer runs on
+    those rows alone, and they equal the last rows of each runner's own full forward."""
+    lone, packed = runners(model), runners(model)
+    keep = [1, 2, 3]
+    want = [r.forward(*LEVELS[i][0])[-keep[i] :] for i, r in enumerate(lone)]
+    rows: list[int] = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda m, args, out: rows.append(args[0].shape[-2]))
+    try:
+        steps = [(r, r.prepare(*LEVELS[i][0], logits_rows=keep[i])) for i, r in enumerate(packed)]
+        got = forward_packed(model, check_model(model, 3 * 64), steps)
+    finally:
+        hook.remove()
+    assert rows == [sum(keep)] and [g.shape[0] for g in got] == keep
+    for w, g in zip(want, got, strict=True):
+        torch.testing.assert_close(g, w, atol=ATOL, rtol=0)
+    assert [r.num_tentative for r in packed] == [len(LEVELS[i][0][0]) for i in range(3)]  # every token ran
+
+
 def test_one_step_alone_is_the_runners_own_forward_bit_for_bit(model):
     (lone,), (packed,) = runners(model, 1), runners(model, 1)
     tokens, parents = LEVELS[0][0]

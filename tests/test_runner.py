@@ -322,3 +322,63 @@ def test_set_linear_kernel_switches_one_loaded_model(pairs):
     with pytest.raises(ValueError, match="no linear layer of this model is patched"):
         set_linear_kernel(plain, "small_gemm")
     assert set_linear_kernel(plain, "f_linear") == 0  # already F.linear everywhere
+
+
+def output_layer_rows(model) -> tuple[list[int], object]:
+    """A list that records how many rows each forward sends through the model's output layer, and the hook."""
+    rows: list[int] = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda m, args, out: rows.append(args[0].shape[-2]))
+    return rows, hook
+
+
+@pytest.mark.parametrize("takes_logits_to_keep", [True, False])
+def test_catch_up_computes_logits_for_the_tree_only(model, monkeypatch, takes_logits_to_keep):
+    """A prefill chain before a tree (forward_with_catch_up: a new session, the verifier's in-process twin)
+    gets no logits: the output layer runs on the tree's rows alone, and they equal the full forward's. A
+    model whose forward has no logits_to_keep gets the same rows by slicing after."""
+    import rsd_runtime.runner as runner_mod
+    from rsd_runtime.generator import forward_with_catch_up
+
+    if not takes_logits_to_keep:
+        monkeypatch.setattr(runner_mod, "_takes_logits_to_keep", lambda cls: False)
+    gen = torch.Generator().manual_seed(3)
+    vocab = model.config.vocab_size
+    committed = torch.randint(4, vocab, (12,), generator=gen).tolist()
+    tokens = torch.tensor([committed[-1], 9, 10, 11])  # the root and a small tree
+    parents = torch.tensor([-1, 0, 0, 1])
+    rows, hook = output_layer_rows(model)
+    try:
+        logits = forward_with_catch_up(ModelRunner(model, 64), committed, tokens, parents)  # [4, V]
+    finally:
+        hook.remove()
+    assert logits.shape == (4, vocab) and logits.dtype == torch.float32
+    assert rows == [4 if takes_logits_to_keep else 11 + 4]
+    # the same 15 tokens with every row's logits: the chain (11), then the root and the tree
+    all_parents = torch.tensor([*range(-1, 10), 10, 11, 11, 12])
+    full = ModelRunner(model, 64).forward(torch.tensor(committed[:-1] + tokens.tolist()), all_parents)[11:]
+    torch.testing.assert_close(logits, full, atol=ATOL, rtol=0)
+    assert_matches_paths(model, logits, committed[:-1], tokens, parents.tolist())
+
+
+@pytest.mark.parametrize("logits_rows", [0, 3])
+def test_logits_rows_out_of_range_is_refused(busy_runner, logits_rows):
+    with pytest.raises(ValueError, match="logits_rows"):
+        busy_runner.forward(torch.tensor([10, 11]), torch.tensor([1, 2]), logits_rows=logits_rows)
+    assert busy_runner.num_tentative == 2  # nothing ran
+
+
+def test_prefill_cost_benchmark_smoke(pairs, tmp_path):
+    """rsd_tools.bench.prefill_cost on a tiny target: both cases timed, the same logits to rounding."""
+    import json
+
+    from rsd_tools.bench import prefill_cost
+
+    argv = ["--target", str(pairs["llama"][1]), "--prompt-tokens", "8,20", "--tree-nodes", "5", "--reps", "1"]
+    assert prefill_cost.main([*argv, "--name", "smoke", "--out-dir", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "smoke.json").read_text())
+    assert result["complete"] and "cpu_flags" in result["machine"] and result["placement"]["threads"] >= 1
+    assert [r["prompt_tokens"] for r in result["rows"]] == [8, 20]
+    assert all(
+        r["tree_only_ms"] > 0 and r["every_row_ms"] > 0 and r["max_abs_logit_diff"] < ATOL for r in result["rows"]
+    )
+    assert "logits for the tree only" in (tmp_path / "smoke.md").read_text()

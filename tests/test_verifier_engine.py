@@ -253,3 +253,33 @@ def test_generator_is_needed_only_when_sampling(pair):
     assert engine.cached_length("none") == engine.cached_length("gen")
     with pytest.raises(ValueError, match="needs a generator"):
         engine.verify_batch([VerifyRequest("none", [2, 5, 6], tree, RULES["rrs"], SamplingParams(1.0))])
+
+
+def test_prefill_chains_get_no_logits(pair):
+    """A packed step whose sessions catch up their prompts (chains of 3, 1 and 6 tokens) runs the output
+    layer on the trees' nodes alone; the logits equal each session's own full forward (score_batch)."""
+    _, target = pair
+    vocab = target.config.vocab_size
+    engine = VerifierPool(target, num_slots=4, max_len=64)
+    sessions = ["a", "b", "c"]
+    committed = dict(zip(sessions, [list(p) for p in PROMPTS], strict=True))
+    trees = {s: random_tree(committed[s][-1], SHAPES[i], vocab, seed=i) for i, s in enumerate(sessions)}
+    for s in sessions:
+        engine.attach(s, committed[s])
+    rows: list[int] = []
+    hook = target.get_output_embeddings().register_forward_hook(lambda m, args, out: rows.append(args[0].shape[-2]))
+    try:
+        got = engine.score_batch(requests_for(committed, trees, seed=0))
+    finally:
+        hook.remove()
+    assert rows == [sum(len(p) for p in SHAPES)]
+    for s, g in zip(sessions, got, strict=True):
+        tree = trees[s]
+        want = ModelRunner(target, 64).forward(
+            torch.tensor(committed[s][:-1] + tree.token_ids.tolist()),
+            torch.tensor(
+                [*range(-1, len(committed[s]) - 2)]
+                + [p + len(committed[s]) - 1 if p >= 0 else len(committed[s]) - 2 for p in tree.parent_idx.tolist()]
+            ),
+        )[len(committed[s]) - 1 :]
+        torch.testing.assert_close(g, want, atol=ATOL, rtol=0)

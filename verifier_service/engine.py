@@ -32,6 +32,7 @@ from rsd.sampling import SamplingParams, logits_to_probs
 from rsd.tree import DraftTree, node_depths, tree_attention_mask, validate_tree
 from rsd_runtime.attention import check_model
 from rsd_runtime.kvcache import Segment, SlotKVCache, common_prefix_length
+from rsd_runtime.runner import model_logits
 from rsd_service.status import Exhausted, NotFound
 
 
@@ -181,20 +182,26 @@ class VerifierPool:
         k_pos = torch.cat([torch.arange(seg.cached) for seg in segments] + [q_pos])  # [Σcached + T]
         # Float additive masks (eager adds a bool mask as +1/+0), sliding windows by position.
         mask = self.plan.masks(allowed.to(device), q_pos.to(device), k_pos.to(device), self.model.dtype)
+        # Logits for the tree nodes only: a catch-up chain (a new session's prompt) needs none.
+        nodes = [req.tree.num_nodes for req in requests]
+        tree_rows = torch.cat(
+            [torch.arange(s.start + s.length - n, s.start + s.length) for s, n in zip(segments, nodes, strict=True)]
+        )
         self.cache.segments = segments
         try:
-            out = self.model(
+            logits = model_logits(
+                self.model,
+                tree_rows,
+                total,
                 input_ids=torch.tensor([ids], dtype=torch.long, device=device),  # [1, T]
                 attention_mask=mask,
                 position_ids=q_pos[None].to(device),  # [1, T]
                 cache=self.cache,
                 use_cache=True,
-            )
+            )  # [Σ N_i, V]
         finally:
             self.cache.segments = []
-        logits = out.logits[0].float()  # [T, V]
-        m_of = [seg.length - req.tree.num_nodes for seg, req in zip(segments, requests, strict=True)]
-        return segments, [logits[s.start + m : s.start + s.length] for s, m in zip(segments, m_of, strict=True)]
+        return segments, list(logits.split(nodes))
 
     def _validate(self, requests: list[VerifyRequest]) -> None:
         if not requests:

@@ -10,9 +10,11 @@ one loaded drafter/target pair. rsd_tools.bench.cli has the usage and the flags.
     run          one run: load the models, generate, write the result files
     cli          build_parser and main
 
-Two more benchmarks live here with their own commands: forward_cost (a target forward of n tokens
-against one, per linear kernel) and disaggregated (the pipeline through the real services, drafter and
-verifier on their own cores, against the target alone).
+More benchmarks live here with their own commands: forward_cost (a target forward of n tokens against
+one, per linear kernel), prefill_cost (a new session's prompt chain + tree, logits for the tree only vs
+every row), draft_batching (N sessions drafting, packed vs alone), predraft_coverage (the verdict's
+outcome among the drafter's k likeliest) and disaggregated (the pipeline through the real services
+against the target alone).
 """
 
 import os
