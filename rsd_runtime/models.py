@@ -154,7 +154,7 @@ LINEAR_KERNELS = ("f_linear", "torch", "small_gemm")
 
 def set_linear_kernel(model: torch.nn.Module, kernel: str, max_rows: int = 64) -> int:
     """Switch the layers use_small_batch_linear patched to one kernel for inputs of at most max_rows rows,
-    so a benchmark compares kernels on one loaded model (rsd_tools.bench.forward_cost):
+    so a benchmark compares kernels on one loaded model (rsd_bench.forward_cost):
 
         f_linear     torch's F.linear for any row count (max_rows 0)
         torch        weight @ x.T (use_small_batch_linear's kernel "torch")

@@ -1,4 +1,4 @@
-"""Smoke test of rsd_tools.bench_services on tiny models: the services start as processes, the
+"""Smoke test of rsd_bench.services on tiny models: the services start as processes, the
 three parts run (2 sessions, 8 tokens, batching verifier/drafter on/on, on/off, off/off), and the JSON /
 Markdown have their fields.
 Through the gateway the tokens equal the in-process SpeculativeGenerator's (T=0 and T=1)."""
@@ -59,7 +59,7 @@ SPLIT_KEYS = {
 
 
 def test_bench_services_smoke(tmp_path):
-    cmd = [sys.executable, "-m", "rsd_tools.bench_services", "--tiny", "--cache-dir", str(tmp_path / "models")]
+    cmd = [sys.executable, "-m", "rsd_bench.services", "--tiny", "--cache-dir", str(tmp_path / "models")]
     cmd += ["--vocab-size", "256", "--hidden-size", "64", "--num-layers", "2", "--draft-layers", "1"]
     cmd += ["--sessions", "2", "--max-new-tokens", "8", "--num-prompts", "1", "--method", "rsd_s", "--shape", "2x3"]
     cmd += ["--name", "smoke", "--out-dir", str(tmp_path / "out"), "--run-dir", str(tmp_path / "logs")]
@@ -106,7 +106,7 @@ def test_bench_services_smoke(tmp_path):
 
 
 def test_batching_settings_parse():
-    from rsd_tools.bench_services import parse_batching
+    from rsd_bench.services import parse_batching
 
     assert parse_batching("on, on/off ,off/off,off") == [(True, True), (True, False), (False, False), (False, True)]
     for bad in ("off,on", "on,maybe", "on,on/x"):
@@ -117,7 +117,7 @@ def test_batching_settings_parse():
 def test_bench_services_capacity_only_with_placement_smoke(tmp_path):
     """--capacity-only skips the overhead part (and its in-process runs); the services start with the
     placement, quantize and predraft flags and the capacity rows are there."""
-    cmd = [sys.executable, "-m", "rsd_tools.bench_services", "--tiny", "--cache-dir", str(tmp_path / "models")]
+    cmd = [sys.executable, "-m", "rsd_bench.services", "--tiny", "--cache-dir", str(tmp_path / "models")]
     cmd += ["--vocab-size", "256", "--hidden-size", "64", "--num-layers", "2", "--draft-layers", "1"]
     cmd += ["--sessions", "2", "--max-new-tokens", "6", "--num-prompts", "1", "--method", "rsd_s", "--shape", "2x2"]
     cmd += ["--name", "cap", "--out-dir", str(tmp_path / "out"), "--run-dir", str(tmp_path / "logs")]

@@ -5,7 +5,8 @@
            ├─ rsd_runtime (model runtime: torch + transformers, no grpc)
            └─ rsd_service (service kit: grpc, no torch at import)
                 └─ gateway | drafter_service | verifier_service   (none imports another)
-                     └─ deploy | rsd_tools | rsd_api              (on top; none imports another)
+                     └─ deploy | rsd_tools | rsd_api              (none imports another)
+                          └─ rsd_bench                            (benchmarks with commands of their own)
 
 Read from the source (ast), so a lazy import inside a function counts as an arrow too. `if TYPE_CHECKING:`
 imports are annotations, not arrows, and are skipped.
@@ -34,6 +35,7 @@ LEVELS = {
     "deploy": 4,
     "rsd_tools": 4,
     "rsd_api": 4,
+    "rsd_bench": 5,
 }
 # Third-party packages a layer must not import (at module level for the service kit: core pinning sets
 # torch's thread count lazily, after the affinity is applied).

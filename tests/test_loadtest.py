@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from rsd_tools import loadtest
+from rsd_bench import loadtest
 
 
 def test_loadtest_reports_every_figure_and_no_error(tmp_path, capsys):

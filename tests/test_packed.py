@@ -165,10 +165,10 @@ def test_concurrent_drafts_are_packed_and_draft_what_they_draft_alone(model, tem
 
 
 def test_draft_batching_benchmark_smoke(tmp_path):
-    """rsd_tools.bench.draft_batching on a tiny draft: every case runs, packed rounds share forwards."""
+    """rsd_bench.draft_batching on a tiny draft: every case runs, packed rounds share forwards."""
     import json
 
-    from rsd_tools.bench import draft_batching
+    from rsd_bench import draft_batching
     from rsd_tools.tiny import build_tiny_pair
 
     draft_dir = build_tiny_pair(tmp_path / "models", "qwen2")[0]

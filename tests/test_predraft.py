@@ -293,10 +293,10 @@ def test_predraft_settings_from_flags_and_env():
 
 
 def test_predraft_coverage_benchmark_smoke(tmp_path):
-    """rsd_tools.bench.predraft_coverage on the tiny pair: hit rates at k grow with k, the cost table is filled."""
+    """rsd_bench.predraft_coverage on the tiny pair: hit rates at k grow with k, the cost table is filled."""
     import json
 
-    from rsd_tools.bench import predraft_coverage
+    from rsd_bench import predraft_coverage
 
     draft_dir, target_dir = build_tiny_pair(tmp_path / "models", "qwen2")
     argv = ["--draft", str(draft_dir), "--target", str(target_dir), "--dtype", "float32", "--draft-quantize", "none"]

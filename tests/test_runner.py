@@ -368,10 +368,10 @@ def test_logits_rows_out_of_range_is_refused(busy_runner, logits_rows):
 
 
 def test_prefill_cost_benchmark_smoke(pairs, tmp_path):
-    """rsd_tools.bench.prefill_cost on a tiny target: both cases timed, the same logits to rounding."""
+    """rsd_bench.prefill_cost on a tiny target: both cases timed, the same logits to rounding."""
     import json
 
-    from rsd_tools.bench import prefill_cost
+    from rsd_bench import prefill_cost
 
     argv = ["--target", str(pairs["llama"][1]), "--prompt-tokens", "8,20", "--tree-nodes", "5", "--reps", "1"]
     assert prefill_cost.main([*argv, "--name", "smoke", "--out-dir", str(tmp_path)]) == 0

@@ -10,11 +10,8 @@ one loaded drafter/target pair. rsd_tools.bench.cli has the usage and the flags.
     run          one run: load the models, generate, write the result files
     cli          build_parser and main
 
-More benchmarks live here with their own commands: forward_cost (a target forward of n tokens against
-one, per linear kernel), prefill_cost (a new session's prompt chain + tree, logits for the tree only vs
-every row), draft_batching (N sessions drafting, packed vs alone), predraft_coverage (the verdict's
-outcome among the drafter's k likeliest) and disaggregated (the pipeline through the real services
-against the target alone).
+The benchmarks with commands of their own (the deciding one through the services, forward costs, draft
+batching, pre-draft coverage, the load test) are in rsd_bench.
 """
 
 import os

@@ -1,6 +1,6 @@
 """How often pre-drafting k outcomes could hit, and what drafting k outcomes at once would cost.
 
-    python -m rsd_tools.bench.predraft_coverage --methods 'rsd_s:2x6;rsd_s:3x4' --temperatures 0,1 \
+    python -m rsd_bench.predraft_coverage --methods 'rsd_s:2x6;rsd_s:3x4' --temperatures 0,1 \
         --cores 1 --threads 1 --name cpu-predraft-coverage
 
 In one process (no services, no timing of the pipeline): each step of a plain speculative generation asks
@@ -27,7 +27,7 @@ KS = (1, 2, 4, 8, 16)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m rsd_tools.bench.predraft_coverage", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m rsd_bench.predraft_coverage", description=__doc__.split("\n")[0])
     ap.add_argument("--draft", type=Path, help="model folder (default: the provisioned draft)")
     ap.add_argument("--target", type=Path, help="model folder (default: the provisioned target)")
     ap.add_argument("--cache-dir", type=Path, default=None)

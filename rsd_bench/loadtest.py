@@ -1,8 +1,8 @@
 """A bounded load test: N concurrent clients generating through a gateway for M seconds.
 
-    python -m rsd_tools.loadtest --clients 8 --duration-s 60              # starts `rsd cluster --tiny`
-    python -m rsd_tools.loadtest --gateway 127.0.0.1:7000 --pid verifier=123 ...   # a running cluster
-    python -m rsd_tools.loadtest --in-process --clients 2 --duration-s 3  # one process, seconds (tests)
+    python -m rsd_bench.loadtest --clients 8 --duration-s 60              # starts `rsd cluster --tiny`
+    python -m rsd_bench.loadtest --gateway 127.0.0.1:7000 --pid verifier=123 ...   # a running cluster
+    python -m rsd_bench.loadtest --in-process --clients 2 --duration-s 3  # one process, seconds (tests)
 
 Each client loops: one Generate (a prompt of its own, a new session), read the stream to the end,
 repeat until the time is up; a request that started before the deadline is finished. Reported:
@@ -189,7 +189,7 @@ def summarize(args, results: list[RequestResult], wall_s: float, memory, setup: 
 def to_markdown(report: LoadReport) -> str:
     setup = report.setup
     lines = [
-        "# Load test (python -m rsd_tools.loadtest)",
+        "# Load test (python -m rsd_bench.loadtest)",
         "",
         f"{report.clients} concurrent clients for {report.duration_s:g} s against {setup['cluster']}; "
         f"{setup['method']} {setup['shape']}, T={setup['temperature']:g}, {setup['max_new_tokens']} new tokens "
@@ -274,7 +274,7 @@ class InProcess:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m rsd_tools.loadtest", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m rsd_bench.loadtest", description=__doc__.split("\n")[0])
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--duration-s", type=float, default=60.0)
     ap.add_argument("--gateway", default="", help="a running gateway (default: start `rsd cluster --tiny`)")

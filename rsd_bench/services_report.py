@@ -1,4 +1,4 @@
-"""The markdown report of rsd_tools.bench_services, and what its step split means."""
+"""The markdown report of rsd_bench.services, and what its step split means."""
 
 from __future__ import annotations
 

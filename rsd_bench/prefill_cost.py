@@ -1,6 +1,6 @@
 """What a new session's first verification costs: its prompt's catch-up chain, then the tree, in one forward.
 
-    python -m rsd_tools.bench.prefill_cost --cores 0-1 --threads 2 --dtype bfloat16 --name cpu-prefill-cost
+    python -m rsd_bench.prefill_cost --cores 0-1 --threads 2 --dtype bfloat16 --name cpu-prefill-cost
 
 The chain needs no logits (only the tree's nodes are judged), so forward_with_catch_up asks for the tree's
 rows alone and the output layer runs on those (ModelRunner logits_rows, transformers' logits_to_keep).
@@ -22,7 +22,7 @@ from rsd_tools.defaults import RESULTS_DIR
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m rsd_tools.bench.prefill_cost", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m rsd_bench.prefill_cost", description=__doc__.split("\n")[0])
     ap.add_argument("--target", type=Path, help="model folder (default: the provisioned target)")
     ap.add_argument("--cache-dir", type=Path, default=None)
     ap.add_argument("--dtype", default="float32")

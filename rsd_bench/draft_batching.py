@@ -1,6 +1,6 @@
 """What batched drafting saves: N sessions drafting a tree each, packed into shared forwards or each alone.
 
-    python -m rsd_tools.bench.draft_batching --cores 0 --threads 1 --sessions 1,2,4,8 --name cpu-draft-batching
+    python -m rsd_bench.draft_batching --cores 0 --threads 1 --sessions 1,2,4,8 --name cpu-draft-batching
 
 The drafter service's own loop without the verifier: N sessions (distinct stdlib prompts, each in the
 draft cache first) draft one tree each, concurrently, in N threads, as DrafterPool runs them:
@@ -30,7 +30,7 @@ from rsd_tools.defaults import RESULTS_DIR
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m rsd_tools.bench.draft_batching", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m rsd_bench.draft_batching", description=__doc__.split("\n")[0])
     ap.add_argument("--draft", type=Path, help="model folder (default: the provisioned draft)")
     ap.add_argument("--cache-dir", type=Path, default=None)
     ap.add_argument("--dtype", default="auto")

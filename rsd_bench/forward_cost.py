@@ -1,6 +1,6 @@
 """What a target forward of n tokens costs against one token, per linear-layer kernel (issue 13, section 5).
 
-    python -m rsd_tools.bench.forward_cost --cores 1 --threads 1 --tokens 1,2,4,6,8,12,16 --name cpu-forward-cost
+    python -m rsd_bench.forward_cost --cores 1 --threads 1 --tokens 1,2,4,6,8,12,16 --name cpu-forward-cost
 
 A tree verification is one forward of a handful of tokens; on a memory-bound CPU it should cost little
 more than one token. Each kernel is timed on the same model, interleaved (every rep runs every case once)
@@ -29,7 +29,7 @@ KERNELS = ("f_linear", "torch", "small_gemm")  # rsd_runtime.models.LINEAR_KERNE
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m rsd_tools.bench.forward_cost", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m rsd_bench.forward_cost", description=__doc__.split("\n")[0])
     ap.add_argument("--target", type=Path, help="model folder (default: the provisioned target)")
     ap.add_argument("--cache-dir", type=Path, default=None)
     ap.add_argument("--dtype", default="float32")

@@ -1,7 +1,7 @@
 """Benchmark of the distributed services: overhead, verifier capacity, and where a step's time goes.
 
-    python -m rsd_tools.bench_services --tiny --name services-cpu
-    python -m rsd_tools.bench_services --draft DIR --target DIR --overhead-only --num-prompts 1 \\
+    python -m rsd_bench.services --tiny --name services-cpu
+    python -m rsd_bench.services --draft DIR --target DIR --overhead-only --num-prompts 1 \\
         --max-new-tokens 16 --name services-real
 
 The services run as real processes (verifier, drafter, gateway; `python -m <service>`, one torch
@@ -41,10 +41,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rsd_bench.gateway_runs import Run, concurrent_runs, est_ratio, gateway_run, step_split
+from rsd_bench.services_report import MISSING, SPLIT_DEFINITIONS, render_md
 from rsd_tools.bench.machine import machine_info
-from rsd_tools.bench_services_report import MISSING, SPLIT_DEFINITIONS, render_md
 from rsd_tools.defaults import CODE_PROMPT, DEFAULT_METHOD, DEFAULT_SHAPES, RESULTS_DIR, TEMPERATURES
-from rsd_tools.gateway_runs import Run, concurrent_runs, est_ratio, gateway_run, step_split
 from rsd_tools.launcher import (
     Cluster,
     drafter_command,
@@ -212,7 +212,7 @@ class InProcess:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m rsd_tools.bench_services", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m rsd_bench.services", description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="a medium tiny qwen2 pair (the default without --draft)")
     ap.add_argument("--draft")
     ap.add_argument("--target")
@@ -400,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "name": args.name,
         "created": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "command": "python -m rsd_tools.bench_services " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m rsd_bench.services " + " ".join(argv if argv is not None else sys.argv[1:]),
         "elapsed_s": round(time.perf_counter() - t_start, 1),
         "host": {"cpus": os.cpu_count(), **machine, "loadavg_end": [round(x, 2) for x in os.getloadavg()]},
         "models": {

@@ -1,4 +1,4 @@
-"""Generations through a gateway, timed on the client (rsd_tools.bench_services): one at a time or N
+"""Generations through a gateway, timed on the client (rsd_bench.services): one at a time or N
 started together, and the split of their steps' time from the StepStats of every delta."""
 
 from __future__ import annotations

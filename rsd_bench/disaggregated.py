@@ -1,8 +1,8 @@
 """The benchmark that decides issue 13: the pipeline through the real services, drafter and verifier on
 cores of their own, against the target alone on the verifier's core and on the whole machine.
 
-    python -m rsd_tools.bench.disaggregated --name cpu-disaggregated                 # the real pair
-    python -m rsd_tools.bench.disaggregated --tiny --num-prompts 1 --max-new-tokens 8 --temperatures 0
+    python -m rsd_bench.disaggregated --name cpu-disaggregated                 # the real pair
+    python -m rsd_bench.disaggregated --tiny --num-prompts 1 --max-new-tokens 8 --temperatures 0
 
 Per setting of pre-drafting (on, off) it starts a verifier (--verifier-cores, one thread, the target in
 --dtype), a drafter (--drafter-cores, one thread, --draft-quantize) and a gateway (--gateway-cores, by
@@ -37,7 +37,7 @@ SPLIT = ("draft_ms", "transfer_ms", "queue_ms", "verify_ms", "residual_ms", "ste
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m rsd_tools.bench.disaggregated", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m rsd_bench.disaggregated", description=__doc__.split("\n")[0])
     ap.add_argument("--draft", type=Path)
     ap.add_argument("--target", type=Path)
     ap.add_argument("--cache-dir", type=Path)
@@ -112,7 +112,7 @@ def run_ar(target: Path, cores: str, prompts: list[list[int]], eos: list[int], a
         "max_new_tokens": args.max_new_tokens,
         "seed": args.seed,
     }
-    cmd = [sys.executable, "-m", "rsd_tools.bench.disaggregated", "--ar-worker", json.dumps(job)]
+    cmd = [sys.executable, "-m", "rsd_bench.disaggregated", "--ar-worker", json.dumps(job)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True)
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
@@ -167,7 +167,7 @@ def start_services(draft: Path, target: Path, args, predraft: bool, run_dir: Pat
 
 
 def service_runs(address: str, prompts: list[list[int]], method: str, shape: str, t: float, args) -> list:
-    from rsd_tools.gateway_runs import gateway_run
+    from rsd_bench.gateway_runs import gateway_run
 
     opts = argparse.Namespace(method=method, shape=shape, max_new_tokens=args.max_new_tokens, request_timeout_s=3600)
     return [gateway_run(address, p, opts, t, args.seed + i) for i, p in enumerate(prompts)]
@@ -181,7 +181,7 @@ def service_row(
     method: str, shape: str, t: float, pipelined: bool, runs: list, ar: dict, greedy_ar: list[dict], args
 ) -> dict:
     """greedy_ar: the target alone's T = 0 runs in the verifier's dtype (what T = 0 must equal)."""
-    from rsd_tools.gateway_runs import step_split
+    from rsd_bench.gateway_runs import step_split
 
     tokens = sum(len(r.token_ids) for r in runs)
     wall = sum(r.wall_s for r in runs)
