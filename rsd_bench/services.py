@@ -24,7 +24,7 @@ thread each by default), so they share no GIL with this client or with each othe
 
 --tiny builds a "medium tiny" qwen2 pair (see --vocab-size, --hidden-size, --num-layers,
 --draft-layers) so that compute is not negligible next to the per-call overhead.
-Writes benchmarks/results/<name>.json and <name>.md.
+Writes benchmarks/results/<name>.json and <name>.md, with the CPU flags, the load and each service's cores.
 """
 
 from __future__ import annotations
@@ -399,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
 
     report = {
         "name": args.name,
+        "complete": True,  # written only after every part ran (a failure raises before this)
         "created": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "command": "python -m rsd_bench.services " + " ".join(argv if argv is not None else sys.argv[1:]),
         "elapsed_s": round(time.perf_counter() - t_start, 1),

@@ -136,6 +136,6 @@ def test_bench_services_capacity_only_with_placement_smoke(tmp_path):
     s = report["settings"]
     assert s["placement"] == {"verifier_cores": cores, "drafter_cores": "0", "gateway_cores": "0"}
     assert (s["dtype"], s["draft_quantize"], s["predraft"]) == ("float32", "int8", "false")
-    assert "cpu_flags" in report["host"] and len(report["host"]["loadavg_end"]) == 3
+    assert report["complete"] and "cpu_flags" in report["host"] and len(report["host"]["loadavg_end"]) == 3
     md = (tmp_path / "out" / "cap.md").read_text()
     assert f"cores: verifier {cores}, drafter 0, gateway 0" in md and "flags" in md
