@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -63,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         "against --dtype's run)",
     )
     ap.add_argument("--draft-quantize", default="int8", choices=("none", "int8"))
+    ap.add_argument("--drafter-args", default="", help="more drafter flags, e.g. '--predraft-nice 0'")
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples of the steps")
     ap.add_argument("--start-timeout-s", type=float, default=900)
@@ -151,7 +153,8 @@ def start_services(draft: Path, target: Path, args, predraft: bool, run_dir: Pat
     )  # fmt: skip
     drafter = drafter_command(
         d_port, draft, "drafter-0", "--quantize", args.draft_quantize, "--predraft", "true" if predraft else "false",
-        "--max-sessions", "2", *common, "--threads", str(args.drafter_threads), cores=args.drafter_cores,
+        "--max-sessions", "2", *common, "--threads", str(args.drafter_threads), *shlex.split(args.drafter_args),
+        cores=args.drafter_cores,
     )  # fmt: skip
     static = ["--drafters", f"drafter-0=127.0.0.1:{d_port}", "--verifiers", f"verifier-0=127.0.0.1:{v_port}"]
     gateway = gateway_command(g_port, target, *static, "--drain-s", "1", cores=args.gateway_cores)
@@ -282,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         "target": str(target),
         "dtype": args.dtype,
         "draft_quantize": args.draft_quantize,
+        "drafter_args": args.drafter_args,
         "placement": {
             "drafter_cores": args.drafter_cores,
             "verifier_cores": args.verifier_cores,
@@ -322,7 +326,8 @@ def markdown(result: dict) -> str:
     lines = [
         f"# The pipeline through the services vs the target alone ({Path(result['target']).name}, {result['dtype']})",
         "",
-        f"Drafter on cores {p['drafter_cores']} ({Path(result['draft']).name}, quantize {result['draft_quantize']}), "
+        f"Drafter on cores {p['drafter_cores']} ({Path(result['draft']).name}, quantize {result['draft_quantize']}"
+        f"{(', ' + result['drafter_args']) if result.get('drafter_args') else ''}), "
         f"verifier on cores {p['verifier_cores']}, {p.get('drafter_threads', 1)} / {p.get('verifier_threads', 1)} "
         "thread(s) (drafter / verifier), gateway on cores "
         f"{p.get('gateway_cores') or 'any'}; {len(result['prompts'])} stdlib prompts x "

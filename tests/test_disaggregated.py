@@ -17,6 +17,7 @@ def test_tiny_run_writes_every_field(tmp_path):
     argv = ["--tiny", "--num-prompts", "1", "--max-new-tokens", "6", "--temperatures", "0", "--methods", "sd:2"]
     argv += ["--predraft", "on", "--cache-dir", str(tmp_path / "cache"), "--out-dir", str(tmp_path), "--name", "d"]
     argv += ["--ar-dtypes", "bfloat16"]  # the target alone in float32 (the verifier's) and bfloat16
+    argv += ["--drafter-args", "--predraft-outcomes 2"]  # passed to the drafter, recorded
     assert disaggregated.main(argv) == 0
     result = json.loads((tmp_path / "d.json").read_text())
     assert result["complete"] is True and (tmp_path / "d.md").exists() and (tmp_path / "d-tokens-per-s.png").exists()
@@ -30,5 +31,6 @@ def test_tiny_run_writes_every_field(tmp_path):
         assert set(by_dtype) == {"float32", "bfloat16"}
         assert ar["0.0"]["tokens_per_s"] == max(v["0.0"] for v in by_dtype.values()) == by_dtype[ar["dtype"]]["0.0"]
     assert result["machine"]["cpu_flags"] is not None
+    assert result["drafter_args"] == "--predraft-outcomes 2"
     placement = result["placement"]  # the gateway sits on the drafter's core unless told otherwise
     assert (placement["drafter_cores"], placement["verifier_cores"], placement["gateway_cores"]) == ("0", "1", "0")
