@@ -144,6 +144,7 @@ class VerifierReplica:
 
     async def start(self, config: VerifierConfig) -> tuple[str, str]:
         """Load the model, start the server, register. Returns (verifier_id, address)."""
+        from rsd_runtime.compute import single_threaded
         from verifier_service.server import create_server  # imported in the worker, not by the driver
 
         setup_logging(config.log_format)  # as a standalone verifier logs
@@ -153,6 +154,7 @@ class VerifierReplica:
             port = config.port or _free_port(config.host or "0.0.0.0")
             config = dataclasses.replace(config, port=port, advertise_address=f"{_node_ip()}:{port}")
         self.server, _, self.handle = await create_server(config)
+        single_threaded()  # the actor's own process: the target runs on the verifier's compute thread
         return self.handle.verifier_id, self.handle.address
 
     async def load(self) -> tuple[int, int, int]:

@@ -47,6 +47,7 @@ from rsd.methods import Method
 from rsd.sampling import SamplingParams
 from rsd.tree import DraftTree
 from rsd_runtime.attention import check_model
+from rsd_runtime.compute import ComputeThread
 from rsd_runtime.generator import Drafter, Finish, Stream, cut_step, finishes, step_generator
 from rsd_runtime.kvcache import common_prefix_length
 from rsd_runtime.packed import PackedForwards
@@ -131,7 +132,7 @@ class DrafterPool:
     least recently used), each run driving a rsd_runtime.generator.Drafter against a remote verifier.
     (Names: rsd_runtime.generator's docstring.)"""
 
-    def __init__(self, model: torch.nn.Module, config: DrafterConfig):
+    def __init__(self, model: torch.nn.Module, config: DrafterConfig, compute: ComputeThread | None = None):
         check_model(model, config.max_len)  # refuse at start, not at the first session, what trees cannot run exactly
         self.model, self.config = model, config
         self.vocab_size: int = model.config.get_text_config().vocab_size
@@ -144,7 +145,12 @@ class DrafterPool:
         self.packer = None  # batched drafting: one forward for every session drafting at once
         if config.batching:
             max_kv = config.max_sessions * config.max_len
-            self.packer = PackedForwards(model, max_kv, config.max_batch_nodes, config.batch_wait_ms / 1e3)
+            self.packer = PackedForwards(
+                model, max_kv, config.max_batch_nodes, config.batch_wait_ms / 1e3, compute.run if compute else None
+            )
+        # Every draft forward runs on the compute thread (rsd_runtime.compute: one OpenMP team); the
+        # sampling stays in the sessions' threads.
+        self.compute = compute
 
     @property
     def num_running(self) -> int:
@@ -216,7 +222,7 @@ class DrafterPool:
         if job.max_new_tokens == 0:
             yield StepResult(start, [], None, common_pb2.FINISH_REASON_LENGTH)
             return
-        forward = self.packer.forward if self.packer is not None else ModelRunner.forward
+        forward = self.packer.forward if self.packer is not None else self._forward
         drafter = Drafter(slot.runner, self.config.proposal_top_k, self.config.proposal_top_p, forward)
         ahead = _Ahead(self, slot, drafter, job) if self.config.predraft else None
         next_tree = None
@@ -274,6 +280,12 @@ class DrafterPool:
                         return
             finally:
                 call.cancel()
+
+    def _forward(self, runner: ModelRunner, *args, **kwargs) -> torch.Tensor:
+        """ModelRunner.forward, unpacked, on the compute thread."""
+        if self.compute is None:
+            return ModelRunner.forward(runner, *args, **kwargs)
+        return self.compute.run(ModelRunner.forward, runner, *args, **kwargs)
 
     def _in_thread(self, slot: _Slot, fn, *args) -> asyncio.Future:
         """Run fn(*args) on the slot's runner in a worker thread; slot.drafting tracks it (a cancelled

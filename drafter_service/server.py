@@ -6,7 +6,6 @@ Redis with a heartbeat, drain on SIGTERM (running sessions get drain_s to finish
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import sys
 from collections.abc import Sequence
@@ -20,6 +19,7 @@ from drafter_service.config import DrafterConfig
 from drafter_service.engine import DrafterPool
 from drafter_service.servicer import DrafterServicer
 from rsd_runtime.attention import UnsupportedModelError
+from rsd_runtime.compute import ComputeThread, single_threaded
 from rsd_runtime.models import load_model, prune_draft_vocab, quantize_draft
 from rsd_service.metrics import DrafterMetrics
 from rsd_service.placement import Placement, PlacementError, apply_placement
@@ -57,6 +57,10 @@ class DrafterHandle(RegisteredHandle):
         capacity, load = self.config.max_sessions, self.engine.num_running
         return ServiceInfo("drafter", self.drafter_id, self.address, capacity, load)
 
+    async def stop_parts(self) -> None:
+        if self.engine.compute is not None:
+            self.engine.compute.close()
+
 
 async def create_server(
     config: DrafterConfig, model: torch.nn.Module | None = None
@@ -64,13 +68,18 @@ async def create_server(
     """Start the drafter on config.host:config.port (0 picks a port). A `model` already loaded
     replaces config.model (tests share one model between servers) and is used as given: draft_vocab
     and quantize apply to a model this function loads. Placement (cores, threads) applies first."""
+    if model is None and not config.model:
+        raise ValueError("--model is required: a local folder holding the draft model")
     placement = apply_placement(config.cores, config.threads)
+    compute = ComputeThread(placement.threads, "drafter-compute")  # loads and runs the draft model: one OpenMP team
     quantize = "none"
-    if model is None:
-        if not config.model:
-            raise ValueError("--model is required: a local folder holding the draft model")
-        model, quantize = await asyncio.to_thread(load_draft, config)
-    engine = DrafterPool(model, config)
+    try:
+        if model is None:
+            model, quantize = await compute.call(load_draft, config)
+        engine = await compute.call(DrafterPool, model, config, compute)  # its probe forward too
+    except BaseException:
+        compute.close()
+        raise
     servicer = DrafterServicer(engine)
     metrics = DrafterMetrics(engine)
     server, port, health_servicer = await start_service(
@@ -104,6 +113,7 @@ def load_draft(config: DrafterConfig) -> tuple[torch.nn.Module, str]:
 
 async def serve(config: DrafterConfig) -> None:
     server, _, handle = await create_server(config)
+    single_threaded()  # the draft model runs on its compute thread; sampling here makes no OpenMP team
     try:
         await serve_until_signal(server, handle.health, grace_s=config.drain_s, on_drain=handle.drain)
     finally:

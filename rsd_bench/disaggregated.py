@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         "against --dtype's run)",
     )
     ap.add_argument("--draft-quantize", default="int8", choices=("none", "int8"))
-    ap.add_argument("--drafter-args", default="", help="more drafter flags, e.g. '--predraft-nice 0'")
+    ap.add_argument("--drafter-args", default="", help="more drafter flags, e.g. '--predraft-outcomes 2'")
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples of the steps")
     ap.add_argument("--start-timeout-s", type=float, default=900)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -154,10 +154,19 @@ class PackedForwards:
     yet (the wait stretches to the last packed forward's duration).
     """
 
-    def __init__(self, model: PreTrainedModel, max_kv_len: int, max_rows: int = 256, wait_s: float = 0.02):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        max_kv_len: int,
+        max_rows: int = 256,
+        wait_s: float = 0.02,
+        run: Callable[..., list[Tensor]] | None = None,
+    ):
         if max_rows < 1 or wait_s < 0:
             raise ValueError(f"max_rows must be >= 1 and wait_s >= 0, got {max_rows} and {wait_s}")
         self.model, self.max_rows, self.wait_s = model, max_rows, wait_s
+        # run(fn, *args): where the packed forward runs (rsd_runtime.compute.ComputeThread.run); None: here
+        self.run = run if run is not None else (lambda fn, *args: fn(*args))
         self.plan = check_model(model, max_kv_len)  # a packed forward's keys: up to every session's cache
         self.stats = PackedStats()
         self._cond = threading.Condition()
@@ -217,7 +226,7 @@ class PackedForwards:
         t0 = time.perf_counter()
         try:
             try:
-                results = forward_packed(self.model, self.plan, [(c.runner, c.step) for c in batch])
+                results = self.run(forward_packed, self.model, self.plan, [(c.runner, c.step) for c in batch])
                 for c, logits in zip(batch, results, strict=True):
                     c.logits = logits
             except BaseException as e:  # every call of the batch learns it (each runner was undone)

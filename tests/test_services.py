@@ -9,6 +9,7 @@ SpeculativeGenerator with the same seed (and the target's own greedy decoding at
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from contextlib import asynccontextmanager
 
@@ -24,6 +25,7 @@ from rsd.acceptance import RULES
 from rsd.methods import Method
 from rsd.sampling import SamplingParams
 from rsd.tree import DraftTree
+from rsd_runtime import packed
 from rsd_runtime.generator import SpeculativeGenerator
 from rsd_runtime.models import load_model
 from rsd_runtime.runner import ModelRunner
@@ -143,10 +145,21 @@ def test_every_method_matches_in_process_generator(models):
 # 2. several sessions at once, packed into shared forwards
 
 
-def test_concurrent_sessions_are_packed_and_exact(models):
+def test_concurrent_sessions_are_packed_and_exact(models, monkeypatch):
     """Four Runs against one batching verifier, with the drafter truncating its proposals to its
     top 16 (sparse laws on the wire): each equals its solo in-process output, and some target
-    forwards held more than one session."""
+    forwards held more than one session. Every packed forward ran on its service's compute thread
+    (rsd_runtime.compute)."""
+    threads = []  # the thread each packed forward ran on
+
+    def on_thread(fn):
+        def wrapped(*args, **kwargs):
+            threads.append(threading.current_thread().name)
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(packed, "forward_packed", on_thread(packed.forward_packed))
     jobs = {f"s{i}": (PROMPT[: 2 + i], gen_params(*CASES[(i + 1) % 5], temperature=1.0, seed=7 + i)) for i in range(4)}
     expected = {
         sid: reference(
@@ -158,6 +171,7 @@ def test_concurrent_sessions_are_packed_and_exact(models):
     async def main():
         cfg = {"batch_wait_ms": 20.0}
         async with services(models, cfg, {"proposal_top_k": 16}) as (vhandle, dhandle, stub, _):
+            vhandle.engine.verify_batch = on_thread(vhandle.engine.verify_batch)
             outs = await asyncio.gather(*(run(stub, vhandle, sid, p, committed=pr) for sid, (pr, p) in jobs.items()))
             stats, draft_stats = vhandle.batcher.stats, dhandle.engine.packer.stats
         for sid, (tokens, _) in zip(jobs, outs, strict=True):
@@ -167,6 +181,7 @@ def test_concurrent_sessions_are_packed_and_exact(models):
         assert stats.num_multi_session_forwards > 0 and stats.max_sessions > 1
         # The drafter packed the sessions' draft forwards too (rsd_runtime.packed).
         assert draft_stats.max_calls > 1 and draft_stats.forwards < draft_stats.calls
+        assert {name.split("_")[0] for name in threads} == {"drafter-compute", "verifier-compute"}
 
     asyncio.run(main())
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from rsd.acceptance import Verdict
+from rsd_runtime.compute import ComputeThread
 from verifier_service.engine import BatchVerifyError, VerifierPool, VerifyRequest
 
 log = logging.getLogger(__name__)
@@ -57,8 +58,16 @@ class _Pending:
 
 
 class Batcher:
-    def __init__(self, engine: VerifierPool, max_batch_nodes: int, batch_wait_ms: float, batching: bool = True):
+    def __init__(
+        self,
+        engine: VerifierPool,
+        max_batch_nodes: int,
+        batch_wait_ms: float,
+        batching: bool = True,
+        compute: ComputeThread | None = None,
+    ):
         self.engine = engine
+        self.compute = compute  # where the packed forwards run (rsd_runtime.compute); None: any worker thread
         self.max_batch_nodes = max_batch_nodes
         self.batch_wait_s = batch_wait_ms / 1000
         self.batching = batching
@@ -164,7 +173,8 @@ class Batcher:
         start = time.perf_counter()
         requests = [p.request for p in batch]
         try:
-            outcomes: list[Verdict | Exception] = await asyncio.to_thread(self.engine.verify_batch, requests)
+            offload = self.compute.call if self.compute is not None else asyncio.to_thread
+            outcomes: list[Verdict | Exception] = await offload(self.engine.verify_batch, requests)
         except BatchVerifyError as e:  # committed for the others
             outcomes = [e.errors.get(r.session_id) or v for v, r in zip(e.verdicts, requests, strict=True)]
         except (ValueError, LookupError) as e:  # refused before the forward, nothing committed: find the culprit alone

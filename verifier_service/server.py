@@ -17,6 +17,7 @@ import torch
 from grpc_health.v1 import health
 
 from rsd_runtime.attention import UnsupportedModelError
+from rsd_runtime.compute import ComputeThread, single_threaded
 from rsd_runtime.models import load_model
 from rsd_service.metrics import VerifierMetrics
 from rsd_service.placement import Placement, PlacementError, apply_placement
@@ -83,6 +84,8 @@ class VerifierHandle(RegisteredHandle):
 
     async def stop_parts(self) -> None:
         await self.batcher.stop()
+        if self.batcher.compute is not None:
+            self.batcher.compute.close()
 
 
 async def create_server(
@@ -91,15 +94,20 @@ async def create_server(
     """Start the verifier on config.host:config.port (0 picks a port). A `model` already loaded
     replaces config.model (tests share one model between servers). Placement (cores, threads)
     applies first, before the model loads."""
+    if model is None and not config.model:
+        raise ValueError("--model is required: a local folder holding the target model")
     placement = apply_placement(config.cores, config.threads)
+    compute = ComputeThread(placement.threads, "verifier-compute")  # loads and runs the target: one OpenMP team
     if model is None:
-        if not config.model:
-            raise ValueError("--model is required: a local folder holding the target model")
-        model = await asyncio.to_thread(
-            load_model, config.model, config.device, config.dtype, config.attn_implementation
-        )
-    engine = VerifierPool(model, config.num_slots, config.max_len)
-    batcher = Batcher(engine, config.max_batch_nodes, config.batch_wait_ms, config.batching)
+        try:
+            model = await compute.call(
+                load_model, config.model, config.device, config.dtype, config.attn_implementation
+            )
+        except BaseException:
+            compute.close()
+            raise
+    engine = await compute.call(VerifierPool, model, config.num_slots, config.max_len)  # its probe forward too
+    batcher = Batcher(engine, config.max_batch_nodes, config.batch_wait_ms, config.batching, compute)
     servicer = VerifierServicer(engine, batcher, config.verifier_id, config.max_tree_nodes, config.attach_grace_s)
     metrics = VerifierMetrics(servicer, batcher)
     server, port, health_servicer = await start_service(
@@ -125,6 +133,7 @@ async def create_server(
 
 async def serve(config: VerifierConfig) -> None:
     server, _, handle = await create_server(config)
+    single_threaded()  # the target runs on its compute thread; nothing else here makes an OpenMP team
     try:
         await serve_until_signal(server, handle.health, grace_s=config.drain_s, on_drain=handle.drain)
     finally:

@@ -1,0 +1,81 @@
+"""One compute thread per model: where a service's multi-threaded torch work runs.
+
+torch parallelises CPU ops with OpenMP, and libgomp keeps a team of worker threads for every thread
+that ever ran a parallel region. Once a process holds more OpenMP threads than it may use cores, libgomp
+stops letting idle workers spin (about 100 spins, then sleep), and every parallel region pays a futex
+wake-up. The services ran their forwards on whichever executor thread was free (asyncio.to_thread, one
+drafting thread per session) beside the main thread that had loaded the model: several teams. Measured on
+a 2-core Xeon with 2 threads: an int8 896 -> 4,864 linear over 4 rows took 104 us with one team and
+186-212 us once a second one existed; a whole int8 Qwen2.5-0.5B rsd_s 4x3 draft 160 -> 240 ms.
+
+So each model service loads, warms up and runs its model on one ComputeThread with the placement's
+thread count, and its process entry calls single_threaded() for everything else (asyncio, sampling in
+the drafting threads, gRPC): those run torch inline, with no team of their own. Tests that run several
+services in one process keep working (one team per service: slower, never wrong).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+class ComputeThread:
+    """A single worker thread running torch with `threads` intra-op threads (0: the process's count)."""
+
+    def __init__(self, threads: int = 0, name: str = "compute"):
+        self.threads = threads or torch.get_num_threads()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=name, initializer=self._init)
+        self._ident = self._executor.submit(threading.get_ident).result()  # started and sized now
+
+    def _init(self) -> None:
+        torch.get_num_threads()  # torch sizes a new thread lazily from the process default: do it first,
+        torch.set_num_threads(self.threads)  # then set this thread's own count, which stays
+
+    def run(self, fn: Callable[..., T], *args, **kwargs) -> T:
+        """fn(*args, **kwargs) on the compute thread, from any thread (inline when already on it)."""
+        if threading.get_ident() == self._ident:
+            return fn(*args, **kwargs)
+        return self._executor.submit(fn, *args, **kwargs).result()
+
+    async def call(self, fn: Callable[..., T], *args, **kwargs) -> T:
+        """fn(*args, **kwargs) on the compute thread, awaited from asyncio."""
+        return await asyncio.wrap_future(self._executor.submit(fn, *args, **kwargs))
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False)
+
+
+def single_threaded() -> None:
+    """The calling thread, and every thread started after it, run torch ops with one thread; the calling
+    thread's OpenMP workers, if it had any (it loaded something), are let go. A ComputeThread made before
+    keeps its own count. A service process calls it on its main thread once its compute thread exists."""
+    torch.set_num_threads(1)
+    gomp = _libgomp()
+    if gomp is not None:  # OpenMP 5.0: free the calling thread's team (libgomp: that thread's pool only)
+        gomp.omp_pause_resource_all(OMP_PAUSE_HARD)
+
+
+OMP_PAUSE_HARD = 2
+
+
+def _libgomp():
+    """torch's own libgomp (already loaded: the same library), or None (another OpenMP, or none)."""
+    import ctypes
+    from pathlib import Path
+
+    for path in sorted((Path(torch.__file__).parent / "lib").glob("libgomp*.so*")):
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError:
+            continue
+        if hasattr(lib, "omp_pause_resource_all"):
+            return lib
+    return None

@@ -1,0 +1,68 @@
+"""The compute thread (rsd_runtime.compute): a service's torch work runs on one thread with the
+placement's count, every other thread runs torch with one, and the main thread's OpenMP workers are
+let go; the model services run their forwards there."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from rsd_runtime.compute import ComputeThread
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_compute_thread_runs_everything_on_one_thread_with_its_count():
+    before = torch.get_num_threads()
+    compute = ComputeThread(2)
+    try:
+        idents = {compute.run(threading.get_ident) for _ in range(3)}
+        idents.add(asyncio.run(compute.call(threading.get_ident)))
+        assert len(idents) == 1 and threading.get_ident() not in idents
+        assert compute.run(torch.get_num_threads) == 2
+        assert torch.get_num_threads() == before  # the caller's count is its own
+        assert compute.run(compute.run, threading.get_ident) in idents  # nested: inline, no deadlock
+        with pytest.raises(ValueError, match="bad"):
+            compute.run(_raise, ValueError("bad"))
+        with pytest.raises(KeyError):
+            asyncio.run(compute.call(_raise, KeyError("k")))
+    finally:
+        compute.close()
+
+
+def _raise(error: Exception):
+    raise error
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores for an OpenMP team")
+def test_single_threaded_lets_the_main_threads_openmp_workers_go():
+    """In a fresh process: a parallel op on the main thread starts an OpenMP worker (one more OS thread);
+    after single_threaded() it is gone, the main thread and new threads run torch with one thread, and the
+    compute thread keeps two."""
+    code = (
+        "import os, threading, torch\n"
+        "torch.set_num_threads(2)\n"
+        "from rsd_runtime.compute import ComputeThread, single_threaded\n"
+        "count = lambda: len(os.listdir('/proc/self/task'))\n"
+        "x = torch.randn(1 << 22)\n"
+        "base = count(); (x * 2).sum(); main_team = count()\n"
+        "c = ComputeThread(2); c.run(lambda: (x * 2).sum()); both = count()\n"
+        "single_threaded(); after = count()\n"
+        "new = []; t = threading.Thread(target=lambda: new.append(torch.get_num_threads())); t.start(); t.join()\n"
+        "print(main_team - base, both - main_team, after - both, torch.get_num_threads(),"
+        " c.run(torch.get_num_threads), new[0])\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "2"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    main_team, compute_team, released, main_threads, compute_threads, new_threads = map(int, out.stdout.split())
+    assert (main_team, compute_team) == (1, 2)  # a worker for main; the compute thread and its worker
+    assert released == -1  # main's worker went
+    assert (main_threads, compute_threads, new_threads) == (1, 2, 1)
