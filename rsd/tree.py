@@ -112,9 +112,9 @@ def validate_draft_tree(tree: DraftTree, max_nodes: int | None = None, atol: flo
         raise ValueError(f"draft_probs must be [N={n}, V], got {tuple(tree.draft_probs.shape)}")
     internal = torch.unique(tree.parent_idx[1:])
     probs = tree.draft_probs[internal]  # [num_internal, V]
-    if not torch.isfinite(probs).all() or (probs < 0).any():
+    sums = probs.sum(-1)  # a NaN or an infinite entry makes its row's sum NaN or infinite: no dense isfinite pass
+    if not torch.isfinite(sums).all() or (probs < 0).any():
         raise ValueError("draft_probs must be finite and non-negative")
-    sums = probs.sum(-1)
     if ((sums - 1).abs() > atol).any():
         raise ValueError(f"draft_probs of internal nodes must sum to 1, got sums {sums.tolist()}")
     child_prob = tree.draft_probs[tree.parent_idx[1:], tree.token_ids[1:]]  # [N-1]

@@ -131,15 +131,16 @@ def proposal_law_to_proto(node_idx: int, probs: Tensor) -> verifier_pb2.Proposal
     """probs [V] -> the canonical ProposalLaw: sparse (int32 ids, probs) if smaller, else dense."""
     if probs.dtype not in _PROB_DTYPES or probs.dim() != 1:
         raise ValueError(f"law of node {node_idx}: expected a 1-D float tensor, got {probs.dtype} {list(probs.shape)}")
-    if not bool(torch.isfinite(probs).all()) or bool((probs < 0).any()):
+    support = probs.nonzero().flatten()  # [S] increasing token ids; NaN, inf and negatives are nonzero
+    values = probs[support]  # [S]: so checking them checks the law (one pass over V, not three)
+    if not bool(torch.isfinite(values).all()) or bool((values < 0).any()):
         raise ValueError(f"law of node {node_idx}: probabilities must be finite and non-negative")
-    support = probs.nonzero().flatten()  # [S] increasing token ids
     sparse_bytes = support.numel() * (torch.int32.itemsize + probs.dtype.itemsize)
     if sparse_bytes < probs.numel() * probs.dtype.itemsize:
         return verifier_pb2.ProposalLaw(
             node_idx=node_idx,
             token_ids=tensor_to_proto(support.to(torch.int32)),
-            probs=tensor_to_proto(probs[support]),  # [S]
+            probs=tensor_to_proto(values),  # [S]
         )
     return verifier_pb2.ProposalLaw(node_idx=node_idx, probs=tensor_to_proto(probs))
 
