@@ -12,11 +12,22 @@ So each model service loads, warms up and runs its model on one ComputeThread wi
 thread count, and its process entry calls single_threaded() for everything else (asyncio, sampling in
 the drafting threads, gRPC): those run torch inline, with no team of their own. Tests that run several
 services in one process keep working (one team per service: slower, never wrong).
+
+A team spins while it waits between parallel regions, which is what makes it fast, and what makes two
+busy processes on the same cores ruinous: a worker spins on a core the other process's thread needs, and
+every barrier waits out a scheduler slice (two 2-thread processes on 2 cores, an int8 layer stack: 1.2 ms
+a call alone, 21 ms each when both ran). So services given the same cores take turns: with `turns`, a
+ComputeThread holds an exclusive flock on that file for each job (one packed forward, one verification),
+so at most one of them computes at a time; services on cores of their own never wait, and one-thread
+services (no workers to spin) take no turns.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import os
+import tempfile
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -30,8 +41,10 @@ T = TypeVar("T")
 class ComputeThread:
     """A single worker thread running torch with `threads` intra-op threads (0: the process's count)."""
 
-    def __init__(self, threads: int = 0, name: str = "compute"):
+    def __init__(self, threads: int = 0, name: str = "compute", turns: str | None = None):
         self.threads = threads or torch.get_num_threads()
+        self.turns = turns  # a lock file shared with the processes on the same cores (turns_file), or None
+        self._turns_fd = os.open(turns, os.O_CREAT | os.O_RDWR, 0o600) if turns else None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=name, initializer=self._init)
         self._ident = self._executor.submit(threading.get_ident).result()  # started and sized now
 
@@ -43,14 +56,32 @@ class ComputeThread:
         """fn(*args, **kwargs) on the compute thread, from any thread (inline when already on it)."""
         if threading.get_ident() == self._ident:
             return fn(*args, **kwargs)
-        return self._executor.submit(fn, *args, **kwargs).result()
+        return self._executor.submit(self._job, fn, *args, **kwargs).result()
 
     async def call(self, fn: Callable[..., T], *args, **kwargs) -> T:
         """fn(*args, **kwargs) on the compute thread, awaited from asyncio."""
-        return await asyncio.wrap_future(self._executor.submit(fn, *args, **kwargs))
+        return await asyncio.wrap_future(self._executor.submit(self._job, fn, *args, **kwargs))
+
+    def _job(self, fn: Callable[..., T], *args, **kwargs) -> T:
+        if self._turns_fd is None:
+            return fn(*args, **kwargs)
+        fcntl.flock(self._turns_fd, fcntl.LOCK_EX)  # our turn on the shared cores
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            fcntl.flock(self._turns_fd, fcntl.LOCK_UN)
 
     def close(self) -> None:
+        if self._turns_fd is not None:
+            self._executor.submit(os.close, self._turns_fd)  # after any job still queued
+            self._turns_fd = None
         self._executor.shutdown(wait=False)
+
+
+def turns_file(cores: str) -> str:
+    """The lock file of the model services on exactly these cores ("0-1,3" style: Placement.cores)."""
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return os.path.join(shm, f"rsd-cores-{cores or 'any'}.lock")
 
 
 def single_threaded() -> None:

@@ -66,3 +66,35 @@ def test_single_threaded_lets_the_main_threads_openmp_workers_go():
     assert (main_team, compute_team) == (1, 2)  # a worker for main; the compute thread and its worker
     assert released == -1  # main's worker went
     assert (main_threads, compute_threads, new_threads) == (1, 2, 1)
+
+
+def test_services_on_the_same_cores_take_turns(tmp_path):
+    """Two compute threads sharing a turns file (two services on the same cores) never compute at once."""
+    turns = str(tmp_path / "rsd-cores-0-1.lock")
+    a, b = ComputeThread(1, "a", turns), ComputeThread(1, "b", turns)
+    active, most = [0], [0]
+    guard = threading.Lock()
+
+    def job():
+        with guard:
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+        threading.Event().wait(0.01)  # long enough for the other thread's job to try to start
+        with guard:
+            active[0] -= 1
+
+    async def both():
+        await asyncio.gather(*(c.call(job) for c in (a, b) for _ in range(5)))
+
+    try:
+        asyncio.run(both())
+        assert most[0] == 1
+    finally:
+        a.close()
+        b.close()
+
+
+def test_turns_file_is_named_by_the_cores():
+    from rsd_runtime.compute import turns_file
+
+    assert turns_file("0-1").endswith("rsd-cores-0-1.lock") and turns_file("0-1") != turns_file("2-3")

@@ -17,7 +17,7 @@ import torch
 from grpc_health.v1 import health
 
 from rsd_runtime.attention import UnsupportedModelError
-from rsd_runtime.compute import ComputeThread, single_threaded
+from rsd_runtime.compute import ComputeThread, single_threaded, turns_file
 from rsd_runtime.models import load_model
 from rsd_service.metrics import VerifierMetrics
 from rsd_service.placement import Placement, PlacementError, apply_placement
@@ -97,7 +97,8 @@ async def create_server(
     if model is None and not config.model:
         raise ValueError("--model is required: a local folder holding the target model")
     placement = apply_placement(config.cores, config.threads)
-    compute = ComputeThread(placement.threads, "verifier-compute")  # loads and runs the target: one OpenMP team
+    turns = turns_file(placement.cores) if placement.threads > 1 else None  # other services on these cores
+    compute = ComputeThread(placement.threads, "verifier-compute", turns)  # loads and runs the target
     if model is None:
         try:
             model = await compute.call(
