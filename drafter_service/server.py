@@ -19,7 +19,7 @@ from drafter_service.config import DrafterConfig
 from drafter_service.engine import DrafterPool
 from drafter_service.servicer import DrafterServicer
 from rsd_runtime.attention import UnsupportedModelError
-from rsd_runtime.compute import ComputeThread, single_threaded, turns_file
+from rsd_runtime.compute import service_compute, single_threaded
 from rsd_runtime.models import load_model, prune_draft_vocab, quantize_draft
 from rsd_service.metrics import DrafterMetrics
 from rsd_service.placement import Placement, PlacementError, apply_placement
@@ -71,8 +71,7 @@ async def create_server(
     if model is None and not config.model:
         raise ValueError("--model is required: a local folder holding the draft model")
     placement = apply_placement(config.cores, config.threads)
-    turns = turns_file(placement.cores) if placement.threads > 1 else None  # other services on these cores
-    compute = ComputeThread(placement.threads, "drafter-compute", turns)  # loads and runs the draft model
+    compute = service_compute(placement.cores, placement.threads, "drafter-compute")  # loads and runs the draft model
     quantize = "none"
     try:
         if model is None:

@@ -43,10 +43,15 @@ class ComputeThread:
 
     def __init__(self, threads: int = 0, name: str = "compute", turns: str | None = None):
         self.threads = threads or torch.get_num_threads()
-        self.turns = turns  # a lock file shared with the processes on the same cores (turns_file), or None
+        # turns: a lock file shared with the processes on the same cores (turns_file), or None
         self._turns_fd = os.open(turns, os.O_CREAT | os.O_RDWR, 0o600) if turns else None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=name, initializer=self._init)
         self._ident = self._executor.submit(threading.get_ident).result()  # started and sized now
+
+    @property
+    def takes_turns(self) -> bool:
+        """Whether its jobs wait for their turn on cores shared with other services."""
+        return self._turns_fd is not None
 
     def _init(self) -> None:
         torch.get_num_threads()  # torch sizes a new thread lazily from the process default: do it first,
@@ -76,6 +81,12 @@ class ComputeThread:
             self._executor.submit(os.close, self._turns_fd)  # after any job still queued
             self._turns_fd = None
         self._executor.shutdown(wait=False)
+
+
+def service_compute(cores: str, threads: int, name: str) -> ComputeThread:
+    """A model service's compute thread for its placement (cores "0-1,3" style, as applied; threads): it
+    takes turns with the other services on exactly these cores unless it runs one thread (no workers)."""
+    return ComputeThread(threads, name, turns_file(cores) if threads > 1 else None)
 
 
 def turns_file(cores: str) -> str:

@@ -95,6 +95,12 @@ def test_services_on_the_same_cores_take_turns(tmp_path):
 
 
 def test_turns_file_is_named_by_the_cores():
-    from rsd_runtime.compute import turns_file
+    from rsd_runtime.compute import service_compute, turns_file
 
     assert turns_file("0-1").endswith("rsd-cores-0-1.lock") and turns_file("0-1") != turns_file("2-3")
+    one, two = service_compute("0-1", 1, "one"), service_compute("0-1", 2, "two")
+    try:
+        assert not one.takes_turns and two.takes_turns  # one thread: no workers, no turns
+    finally:
+        one.close()
+        two.close()

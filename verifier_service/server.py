@@ -17,7 +17,7 @@ import torch
 from grpc_health.v1 import health
 
 from rsd_runtime.attention import UnsupportedModelError
-from rsd_runtime.compute import ComputeThread, single_threaded, turns_file
+from rsd_runtime.compute import service_compute, single_threaded
 from rsd_runtime.models import load_model
 from rsd_service.metrics import VerifierMetrics
 from rsd_service.placement import Placement, PlacementError, apply_placement
@@ -97,17 +97,16 @@ async def create_server(
     if model is None and not config.model:
         raise ValueError("--model is required: a local folder holding the target model")
     placement = apply_placement(config.cores, config.threads)
-    turns = turns_file(placement.cores) if placement.threads > 1 else None  # other services on these cores
-    compute = ComputeThread(placement.threads, "verifier-compute", turns)  # loads and runs the target
-    if model is None:
-        try:
+    compute = service_compute(placement.cores, placement.threads, "verifier-compute")  # loads and runs the target
+    try:
+        if model is None:
             model = await compute.call(
                 load_model, config.model, config.device, config.dtype, config.attn_implementation
             )
-        except BaseException:
-            compute.close()
-            raise
-    engine = await compute.call(VerifierPool, model, config.num_slots, config.max_len)  # its probe forward too
+        engine = await compute.call(VerifierPool, model, config.num_slots, config.max_len)  # its probe forward too
+    except BaseException:
+        compute.close()
+        raise
     batcher = Batcher(engine, config.max_batch_nodes, config.batch_wait_ms, config.batching, compute)
     servicer = VerifierServicer(engine, batcher, config.verifier_id, config.max_tree_nodes, config.attach_grace_s)
     metrics = VerifierMetrics(servicer, batcher)
