@@ -50,6 +50,12 @@ class DrafterConfig(PeerTLSConfig, ModelServiceConfig):
     # same with it on or off; it costs draft forwards on trees that are never sent.
     predraft: bool = True
     predraft_outcomes: int = 4
+    # How many of those trees are drafted at once, each on a shadow copy of the session's draft runner,
+    # their levels packed into one forward (rsd_runtime.predraft.draft_wave; needs batching). 1 drafts
+    # them one after another: the output is token for token the same as without pre-drafting. > 1 keeps
+    # the law exact, but packing changes the draft logits' rounding (int8: the activations' scale), so a
+    # seeded run may differ at near-ties; it holds up to predraft_outcomes more runners per session.
+    predraft_width: int = 1
     # Batched drafting (rsd_runtime.packed): the draft forwards of all sessions drafting at once run as
     # one forward (a level of a few tokens costs about one token's forward, so 8 sessions cost far
     # less than 8 x one). A forward waits at most batch_wait_ms for sessions that are drafting but
@@ -72,6 +78,7 @@ class DrafterConfig(PeerTLSConfig, ModelServiceConfig):
             "quantize": self.quantize in QUANTIZE_MODES,
             "max_tree_nodes": 2 <= self.max_tree_nodes < self.max_len,
             "predraft_outcomes": self.predraft_outcomes >= 1,
+            "predraft_width": self.predraft_width >= 1,
             "batch_wait_ms": self.batch_wait_ms >= 0,
             "max_batch_nodes": self.max_batch_nodes >= 1,
             "attach_timeout_s": self.attach_timeout_s > 0,

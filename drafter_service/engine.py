@@ -18,6 +18,8 @@ One run of a session at one epoch:
     verdict that matches one sends its tree at once. It pre-drafts until the verdict is in, until
     the session's measured verify round trip is used up, or predraft_outcomes trees are drafted; the
     tree in progress when the verdict arrives is finished if it is the verdict's own, else dropped.
+    With config.predraft_width > 1 it drafts that many outcomes at once, on shadow runners, their
+    levels packed into one forward (PreDrafter.draft_wave, _side_by_side).
 Each step's draws come from step_generator(seed, Stream.DRAFT, root position) here and (seed,
 Stream.VERIFY, root position) in the verifier, so a run equals the in-process
 SpeculativeGenerator.generate with the same seed, token for token, pre-drafting or not.
@@ -33,7 +35,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -142,9 +144,14 @@ class DrafterPool:
         self.verifier_security = peer_security(config)  # TLS and the internal token when dialing verifiers
         self.predraft_totals = PreDraftTotals()
         self._threads = ThreadPoolExecutor(config.max_sessions, thread_name_prefix="draft")  # one per session
+        # Pre-drafts side by side (predraft_width > 1) run in threads of their own, beside the session's.
+        self.predraft_width = config.predraft_width if config.predraft and config.batching else 1
+        extra = config.max_sessions * (self.predraft_width - 1)
+        self._side_threads = ThreadPoolExecutor(extra, thread_name_prefix="predraft") if extra else None
         self.packer = None  # batched drafting: one forward for every session drafting at once
         if config.batching:
-            max_kv = config.max_sessions * config.max_len
+            runners = 1 + (config.predraft_outcomes if self.predraft_width > 1 else 0)  # per session
+            max_kv = config.max_sessions * runners * config.max_len
             self.packer = PackedForwards(
                 model, max_kv, config.max_batch_nodes, config.batch_wait_ms / 1e3, compute.run if compute else None
             )
@@ -270,6 +277,7 @@ class DrafterPool:
                     )
                     if ahead is not None:
                         next_tree = ahead.take(verdict, t2 - t1, stats)
+                        slot.runner = drafter.runner  # a tree pre-drafted on a shadow runner brings it along
                     if next_tree is None:
                         drafter.accept(committed, verdict)
                     slot.cached_ids = (committed + verdict.token_ids)[: slot.runner.cache_len]
@@ -295,6 +303,24 @@ class DrafterPool:
         call = partial(contextvars.copy_context().run, self._drafting, fn, *args)  # keeps the log context
         slot.drafting = asyncio.get_running_loop().run_in_executor(self._threads, call)
         return asyncio.shield(slot.drafting)
+
+    def _side_by_side(self, fns: list[Callable[[], object]]) -> list:
+        """From a session's drafting thread: run fns at once, the first here and the others in threads
+        of their own, their forwards packed together (PreDrafter.draft_wave). -> their results."""
+        self.packer.enter(len(fns) - 1)  # counted before they start: the first forward waits for them
+        futures = [self._side_threads.submit(partial(contextvars.copy_context().run, self._side, fn)) for fn in fns[1:]]
+        try:
+            first = fns[0]()
+        finally:
+            with self.packer.waiting():  # packed forwards need not wait for this thread meanwhile
+                wait(futures)
+        return [first] + [f.result() for f in futures]
+
+    def _side(self, fn: Callable[[], object]) -> object:
+        try:
+            return fn()
+        finally:
+            self.packer.leave()
 
     def _drafting(self, fn, *args):
         """fn(*args) in a worker thread; its draft forwards are packed with other sessions' (PackedForwards)."""
@@ -328,7 +354,7 @@ class _Ahead:
 
     def __init__(self, engine: DrafterPool, slot: _Slot, drafter: Drafter, job: RunJob):
         self.engine, self.slot, self.job = engine, slot, job
-        self.max_outcomes = engine.config.predraft_outcomes
+        self.max_outcomes, self.width = engine.config.predraft_outcomes, engine.predraft_width
         self.pre = PreDrafter(drafter, job.method, job.sampling, job.seed, self.max_outcomes)
         self.round_trip_s = math.inf
         self.recent_hits: deque[bool] = deque(maxlen=PREDRAFT_PROBATION_STEPS)  # steps that pre-drafted
@@ -341,8 +367,9 @@ class _Ahead:
         limit = 1 if cold else self.max_outcomes
         self._arrived, self._verdict = threading.Event(), None
         deadline = sent_at + self.round_trip_s
+        side = self.engine._side_by_side if self.width > 1 else None
         self._task = self.engine._in_thread(
-            self.slot, predraft_while_waiting, self.pre, self._halt, self._arrived, deadline, limit
+            self.slot, predraft_while_waiting, self.pre, self._halt, self._arrived, deadline, limit, self.width, side
         )
 
     def _halt(self, outcome: Outcome | None) -> bool:
@@ -378,14 +405,23 @@ class _Ahead:
 
 
 def predraft_while_waiting(
-    pre: PreDrafter, halt: Callable[[Outcome | None], bool], arrived: threading.Event, deadline: float, limit: int
+    pre: PreDrafter,
+    halt: Callable[[Outcome | None], bool],
+    arrived: threading.Event,
+    deadline: float,
+    limit: int,
+    width: int = 1,
+    side_by_side: Callable | None = None,
 ) -> None:
-    """Pre-draft outcome after outcome until the verdict has arrived, the session's measured verify round
-    trip is used up (deadline, perf_counter seconds), `limit` trees are drafted or none is left. halt(outcome)
-    is asked before each forward: the tree being drafted when the verdict arrives is finished if it is the
-    verdict's own (a head start on the next step), else dropped. Worker thread."""
-    while not arrived.is_set() and len(pre.drafts) < limit and time.perf_counter() < deadline and pre.draft_next(halt):
-        pass
+    """Pre-draft outcome after outcome (`width` at once: PreDrafter.draft_wave) until the verdict has
+    arrived, the session's measured verify round trip is used up (deadline, perf_counter seconds), `limit`
+    trees are drafted or none is left. halt(outcome) is asked before each forward: the tree being drafted
+    when the verdict arrives is finished if it is the verdict's own (a head start on the next step), else
+    dropped. Worker thread."""
+    while not arrived.is_set() and len(pre.drafts) < limit and time.perf_counter() < deadline:
+        n = min(width, limit - len(pre.drafts))
+        if not (pre.draft_next(halt) if n == 1 else pre.draft_wave(n, halt, side_by_side)):
+            return
 
 
 _FINISH_REASONS = {

@@ -49,7 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt-seed", type=int, default=0)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0, help="prompt i runs with seed + i")
-    ap.add_argument("--predraft", default="on,off", help="pre-drafting settings to run (on, off)")
+    ap.add_argument(
+        "--predraft", default="on,off", help="pre-drafting settings to run: on, off, on:W (W trees side by side)"
+    )
     ap.add_argument("--drafter-cores", default="0")
     ap.add_argument("--verifier-cores", default="1")
     ap.add_argument("--gateway-cores", default=None, help="default: --drafter-cores")
@@ -133,7 +135,7 @@ def _temperatures(args) -> list[float]:
 # The services
 
 
-def start_services(draft: Path, target: Path, args, predraft: bool, run_dir: Path):
+def start_services(draft: Path, target: Path, args, predraft: bool, run_dir: Path, width: int = 1):
     from rsd_tools.launcher import (
         Cluster,
         drafter_command,
@@ -153,8 +155,8 @@ def start_services(draft: Path, target: Path, args, predraft: bool, run_dir: Pat
     )  # fmt: skip
     drafter = drafter_command(
         d_port, draft, "drafter-0", "--quantize", args.draft_quantize, "--predraft", "true" if predraft else "false",
-        "--max-sessions", "2", *common, "--threads", str(args.drafter_threads), *shlex.split(args.drafter_args),
-        cores=args.drafter_cores,
+        "--predraft-width", str(width), "--max-sessions", "2", *common, "--threads", str(args.drafter_threads),
+        *shlex.split(args.drafter_args), cores=args.drafter_cores,
     )  # fmt: skip
     static = ["--drafters", f"drafter-0=127.0.0.1:{d_port}", "--verifiers", f"verifier-0=127.0.0.1:{v_port}"]
     gateway = gateway_command(g_port, target, *static, "--drain-s", "1", cores=args.gateway_cores)
@@ -181,7 +183,7 @@ def service_runs(address: str, prompts: list[list[int]], method: str, shape: str
 
 
 def service_row(
-    method: str, shape: str, t: float, pipelined: bool, runs: list, ar: dict, greedy_ar: list[dict], args
+    method: str, shape: str, t: float, pipelined: bool, runs: list, ar: dict, greedy_ar: list[dict], args, width=1
 ) -> dict:
     """greedy_ar: the target alone's T = 0 runs in the verifier's dtype (what T = 0 must equal)."""
     from rsd_bench.gateway_runs import step_split
@@ -195,6 +197,7 @@ def service_row(
         "shape": shape,
         "temperature": t,
         "pipelined": pipelined,
+        "predraft_width": width if pipelined else 0,  # trees pre-drafted side by side (drafter predraft_width)
         "tokens": tokens,
         "tokens_per_s": round(tokens / wall, 4),
         "block_efficiency": round(tokens / max(len(per_step), 1), 3),
@@ -264,15 +267,16 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     for setting in args.predraft.split(","):
-        pipelined = setting == "on"
+        pipelined, _, width = setting.partition(":")
+        pipelined, width = pipelined == "on", int(width or 1)
         with tempfile.TemporaryDirectory(prefix="rsd-disagg-") as run_dir:
-            cluster, address = start_services(draft, target, args, pipelined, Path(run_dir))
+            cluster, address = start_services(draft, target, args, pipelined, Path(run_dir), width)
             try:
                 service_runs(address, prompts[:1], methods[0][0], methods[0][1], 0.0, _short(args))  # warm-up
                 for method, shape in methods:
                     for t in temps:
                         runs = service_runs(address, prompts, method, shape, t, args)
-                        rows.append(service_row(method, shape, t, pipelined, runs, ar, greedy_ar, args))
+                        rows.append(service_row(method, shape, t, pipelined, runs, ar, greedy_ar, args, width))
                         r = rows[-1]
                         log(f"{method} {shape} T={t} predraft {setting}: {r['tokens_per_s']} tok/s, "
                             f"BE {r['block_efficiency']}, hit {r['predraft_hit_rate']}, "
@@ -355,12 +359,17 @@ def markdown(result: dict) -> str:
         split = " / ".join(f"{s[k]:.0f}" if s.get(k) is not None else "-" for k in SPLIT[:-1])
         lo, hi = r["block_efficiency_ci95"]
         lines.append(
-            f"| {r['method']} {r['shape']} | {r['temperature']} | {'on' if r['pipelined'] else 'off'} | "
+            f"| {r['method']} {r['shape']} | {r['temperature']} | {_predraft_label(r)} | "
             f"{r['tokens_per_s']:.2f} | {r['speedup_vs_ar_same_core']:.2f} | {r['speedup_vs_ar_whole_machine']:.2f} | "
             f"{r['block_efficiency']:.2f} [{lo:.2f}, {hi:.2f}] | {r['predraft_hit_rate']} | "
             f"{'' if r['matches_ar'] is None else r['matches_ar']} | {split} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _predraft_label(row: dict) -> str:
+    width = row.get("predraft_width", 1)
+    return "off" if not row["pipelined"] else "on" if width <= 1 else f"on, {width} side by side"
 
 
 def _ar_temps(result: dict) -> list[str]:
@@ -377,7 +386,7 @@ def plot(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(temps), figsize=(4 * len(temps), 3.5), squeeze=False)
     for ax, t in zip(axes[0], temps, strict=True):
         rows = [r for r in result["rows"] if r["temperature"] == t]
-        labels = [f"{r['method']} {r['shape']}\n{'pipelined' if r['pipelined'] else 'plain'}" for r in rows]
+        labels = [f"{r['method']} {r['shape']}\n{_predraft_label(r)}" for r in rows]
         ax.bar(range(len(rows)), [r["tokens_per_s"] for r in rows], color="tab:blue")
         for key, style in (("same_core", "--"), ("whole_machine", ":")):
             ax.axhline(result["ar"][key][str(t)]["tokens_per_s"], color="k", ls=style, label=f"target alone, {key}")

@@ -124,6 +124,16 @@ class SequenceKVLayer(KVLayer):
         else:
             self.num_filled = start
 
+    def copy_from(self, other: SequenceKVLayer, start: int) -> None:
+        """Hold what `other` holds: its K/V at [start, other.num_filled) are copied, those below `start`
+        are taken to be equal already."""
+        if other.is_initialized and other.num_filled > start:
+            if not self.is_initialized:
+                self.lazy_initialization(other.keys[:, :, :1], other.values[:, :, :1])
+            new = slice(start, other.num_filled)
+            self.write(0, start, other.keys[0, :, new], other.values[0, :, new])
+        self.num_filled = other.num_filled
+
     def reset(self) -> None:
         self.num_filled = 0  # stale entries are overwritten before they are read
 

@@ -178,14 +178,35 @@ class PackedForwards:
     @contextmanager
     def drafting(self) -> Iterator[None]:
         """Marks a thread that will call forward() soon: packed forwards wait (up to wait_s) for it."""
+        self.enter()
+        try:
+            yield
+        finally:
+            self.leave()
+
+    def enter(self, n: int = 1) -> None:
+        """drafting() by hand, for n threads at once: counted from now (a forward asked before they
+        start waits for them); each calls leave() when it is done."""
         with self._cond:
-            self._drafting += 1
+            self._drafting += n
+
+    def leave(self) -> None:
+        with self._cond:
+            self._drafting -= 1
+            self._cond.notify_all()  # one fewer to wait for
+
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Inside drafting(): this thread now waits for other threads (not for a forward of its own), so
+        packed forwards do not wait for it meanwhile."""
+        with self._cond:
+            self._drafting -= 1
+            self._cond.notify_all()
         try:
             yield
         finally:
             with self._cond:
-                self._drafting -= 1
-                self._cond.notify_all()  # one fewer to wait for
+                self._drafting += 1
 
     def forward(
         self, runner: ModelRunner, token_ids: Tensor, parent_idx: Tensor, logits_rows: int | None = None

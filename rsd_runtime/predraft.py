@@ -14,6 +14,16 @@ Words used below:
                                            # stop(outcome) is asked before each forward of that outcome
     next_tree = pre.take(verdict)          # hit: tree t+1, the drafter holds its state; miss: None, the
                                            # drafter holds tree t's state (accept + draft as usual)
+    while pre.draft_wave(3, stop, side_by_side): ...   # or: 3 outcomes at once, on shadow runners
+
+Side by side. draft_next drafts one outcome after the other on the drafter's own runner (saved and
+restored around each). draft_wave drafts several at once, each on a shadow runner (a copy of the
+drafter's runner as it was when tree t was sent, kept in sync by copying only what changed); the
+caller's side_by_side runs them in threads whose forwards pack into one per level
+(rsd_runtime.packed), so k trees cost little more than one. A hit on a shadow swaps it in as the
+drafter's runner. Exact the same way: the same prefix, path commit and step generator, on a copy
+of the same state; packing changes only the rounding of the draft logits, so (as in any batched
+forward) a seeded run may draft another tree at a near-tie, drawn from the law it carries.
 
 Exactness. The tree drafted after a verdict is a function of three things: the draft runner's state,
 the committed prefix, and the step's generator, step_generator(seed, DRAFT, root position). A
@@ -77,8 +87,9 @@ class PreDraft:
     committed: list[int]  # the prefix the tree was drafted for: committed + the outcome's tokens
     tree: DraftTree
     proposal: ModelProposal  # the drafter's proposal of that tree (which nodes it ran)
-    state: RunnerState  # the draft runner right after drafting it
+    state: RunnerState | None  # the draft runner right after drafting it (None: `runner` holds it)
     num_forwards: int
+    runner: ModelRunner | None = None  # the shadow runner it was drafted on (draft_wave)
 
 
 class PreDrafter:
@@ -93,6 +104,9 @@ class PreDrafter:
         self.drafts: dict[Outcome, PreDraft] = {}
         self.num_forwards = 0  # draft forwards spent pre-drafting for the current tree
         self._ranked: list[Outcome] | None = None
+        self.shadows: list[ModelRunner] = []  # draft_wave's runners, one per tree of a step
+        self._synced: dict[ModelRunner, int] = {}  # shadow -> K/V positions known equal to the runner's
+        self._shadows_used = 0
 
     @property
     def runner(self) -> ModelRunner:
@@ -104,7 +118,7 @@ class PreDrafter:
         self.committed, self.tree, self.finishes = list(committed), tree, finishes
         self.sent = self.drafter.proposal
         self.base = self.runner.save(self.runner.cache_len)
-        self.drafts, self.num_forwards, self._ranked = {}, 0, None
+        self.drafts, self.num_forwards, self._ranked, self._shadows_used = {}, 0, None, 0
 
     def draft_next(self, stop: Callable[[Outcome | None], bool] | None = None) -> bool:
         """Pre-draft one more outcome (the first call also ranks them); False when there is none left
@@ -114,18 +128,64 @@ class PreDrafter:
         try:
             if self._ranked is None:
                 self._ranked = self.rank(None if stop is None else partial(stop, None))
-            while self._ranked:
-                outcome = self._ranked.pop(0)
-                if outcome not in self.drafts:
-                    self.drafts[outcome] = self._draft(outcome, None if stop is None else partial(stop, outcome))
-                    return True
-            return False
+            todo = self._next_outcomes(1)
+            if todo:
+                self.drafts[todo[0]] = self._draft(todo[0], None if stop is None else partial(stop, todo[0]))
+            return bool(todo)
         except DraftStopped:
             self._ranked = []
             return False
         finally:
             self.runner.restore(self.base)
             self.drafter.proposal = self.sent
+
+    def draft_wave(
+        self,
+        width: int,
+        stop: Callable[[Outcome | None], bool] | None = None,
+        side_by_side: Callable[[list[Callable[[], object]]], list] | None = None,
+    ) -> bool:
+        """Pre-draft the next `width` outcomes at once, each on a shadow runner (the drafter's runner
+        stays as tree t left it). side_by_side(fns) calls the functions concurrently and returns their
+        results in order (threads whose forwards pack); None calls them in turn. False when no outcome
+        is left or stop said True (stop as in draft_next; a stopped tree is dropped)."""
+        try:
+            if self._ranked is None:
+                self._ranked = self.rank(None if stop is None else partial(stop, None))
+        except DraftStopped:
+            self._ranked = []
+            return False
+        finally:
+            self.runner.restore(self.base)
+            self.drafter.proposal = self.sent
+        todo = self._next_outcomes(width)
+        if not todo:
+            return False
+        while len(self.shadows) < self._shadows_used + len(todo):
+            self.shadows.append(ModelRunner(self.runner.model, self.runner.max_len, self.runner.plan))
+        shadows = self.shadows[self._shadows_used : self._shadows_used + len(todo)]
+        self._shadows_used += len(todo)
+        fns = [
+            partial(self._draft_on, shadow, o, None if stop is None else partial(stop, o))
+            for shadow, o in zip(shadows, todo, strict=True)
+        ]
+        results = side_by_side(fns) if side_by_side is not None else [fn() for fn in fns]
+        for draft, forwards in results:
+            self.num_forwards += forwards
+            if draft is not None:
+                self.drafts[draft.outcome] = draft
+        if any(draft is None for draft, _ in results):
+            self._ranked = []
+            return False
+        return True
+
+    def _next_outcomes(self, n: int) -> list[Outcome]:
+        todo = []
+        while self._ranked and len(todo) < n:
+            outcome = self._ranked.pop(0)
+            if outcome not in self.drafts and outcome not in todo:
+                todo.append(outcome)
+        return todo
 
     def take(self, verdict: Verdict) -> DraftTree | None:
         """The pre-drafted next tree for this verdict (the drafter then holds that tree's state), or
@@ -141,7 +201,12 @@ class PreDrafter:
                 f"pre-draft for outcome {entry.outcome} was drafted after {entry.committed[len(self.committed) :]}, "
                 f"the verdict committed {verdict.token_ids}"
             )
-        self.runner.restore(entry.state)
+        if entry.runner is not None:  # drafted on a shadow: it becomes the drafter's runner
+            i = self.shadows.index(entry.runner)
+            self.shadows[i], self.drafter.runner = self.drafter.runner, entry.runner
+            self._synced[self.shadows[i]] = self.base.cache_len  # its committed prefix is the new runner's
+        else:
+            self.runner.restore(entry.state)
         self.drafter.proposal = entry.proposal
         return entry.tree
 
@@ -161,6 +226,26 @@ class PreDrafter:
             self.num_forwards += self.drafter.num_forwards
         state = self.runner.save(self.base.start)
         return PreDraft(outcome, prefix, tree, self.drafter.proposal, state, self.drafter.num_forwards)
+
+    def _draft_on(
+        self, shadow: ModelRunner, outcome: Outcome, stop: Callable[[], bool] | None
+    ) -> tuple[PreDraft | None, int]:
+        """_draft on a shadow runner: a copy of the drafter's runner as tree t left it (only the K/V
+        past what the shadow is known to share are copied). -> (the pre-draft or None if stopped,
+        forwards run). Safe in a thread of its own: it reads the drafter's runner, writes the shadow."""
+        shadow.copy_from(self.runner, self._synced.get(shadow, 0))
+        self._synced[shadow] = self.runner.cache_len  # committed: neither changes it before the verdict
+        path, token = outcome
+        prefix = self.committed + self.tree.token_ids[list(path)].tolist() + [token]
+        commit_path(shadow, self.committed, self.sent.tentative_of, list(path))
+        drafter = Drafter(shadow, self.drafter.top_k, self.drafter.top_p, self.drafter.forward)
+        generator = step_generator(self.seed, Stream.DRAFT, len(prefix) - 1)
+        try:
+            tree = drafter.draft(prefix, self.method, self.params, generator, stop)
+        except DraftStopped:
+            return None, drafter.num_forwards
+        n = drafter.num_forwards
+        return PreDraft(outcome, prefix, tree, drafter.proposal, None, n, shadow), n
 
     def rank(self, stop: Callable[[], bool] | None) -> list[Outcome]:
         """The max_outcomes likeliest outcomes under the draft's own laws, likeliest first, without
@@ -204,11 +289,12 @@ class PreDrafter:
 class PipelinedGenerator(SpeculativeGenerator):
     """SpeculativeGenerator that pre-drafts up to max_outcomes outcomes per step before verifying
     (in one process nothing overlaps: this is the drafter service's pipelined loop made sequential,
-    to test that it changes no token)."""
+    to test that it changes no token). width > 1 drafts that many outcomes per wave on shadow runners
+    (draft_wave), here one after another."""
 
-    def __init__(self, target: ModelRunner, draft: ModelRunner, max_outcomes: int = 4, **kwargs):
+    def __init__(self, target: ModelRunner, draft: ModelRunner, max_outcomes: int = 4, width: int = 1, **kwargs):
         super().__init__(target, draft, **kwargs)
-        self.max_outcomes = max_outcomes
+        self.max_outcomes, self.width = max_outcomes, width
         self._pre: PreDrafter | None = None
 
     def generate(self, *args, **kwargs) -> GenerationResult:
@@ -219,7 +305,7 @@ class PipelinedGenerator(SpeculativeGenerator):
         if self._pre is None:
             self._pre = PreDrafter(self.drafter, step.method, step.params, step.seed, self.max_outcomes)
         self._pre.begin(step.committed, step.tree, step.finishes)
-        while self._pre.draft_next():
+        while self._pre.draft_next() if self.width == 1 else self._pre.draft_wave(self.width):
             pass
 
     def after_verdict(self, committed: list[int], verdict: Verdict, stats: GenerationStats) -> DraftTree | None:

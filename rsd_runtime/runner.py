@@ -28,7 +28,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from rsd.tree import node_depths, tree_attention_mask
-from rsd_runtime.attention import check_model
+from rsd_runtime.attention import AttentionPlan, check_model
 from rsd_runtime.kvcache import SequenceKVCache
 
 
@@ -76,8 +76,10 @@ def _takes_logits_to_keep(cls: type) -> bool:
 class ModelRunner:
     """Tree-attention runner for one sequence (batch 1); see the module docstring."""
 
-    def __init__(self, model: PreTrainedModel, max_len: int = 4096):
-        self.plan = check_model(model, max_len)  # refuses, with the reason, what a tree mask cannot express
+    def __init__(self, model: PreTrainedModel, max_len: int = 4096, plan: AttentionPlan | None = None):
+        # Refuses, with the reason, what a tree mask cannot express (plan: another runner's of this model
+        # and max_len, checked already).
+        self.plan = plan if plan is not None else check_model(model, max_len)
         config = model.config.get_text_config()
         self.model = model
         self.max_len = max_len
@@ -113,6 +115,17 @@ class ModelRunner:
         for layer, saved in zip(self.cache.layers, state.layers, strict=True):
             layer.restore(state.start, saved)
         self.cache_len, self._parents = state.cache_len, list(state.parents)
+
+    @torch.inference_mode()
+    def copy_from(self, other: ModelRunner, start: int = 0) -> None:
+        """Become a copy of `other` (a runner of the same model): its committed and tentative tokens.
+        Only the K/V from position `start` on are copied: below it both must hold the same already
+        (copied before, and neither cropped below it since)."""
+        if other.model is not self.model or not 0 <= start <= min(self.cache_len, other.cache_len):
+            raise ValueError(f"copy_from needs a runner of the same model and start <= both cache lengths, got {start}")
+        for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
+            mine.copy_from(theirs, start)
+        self.cache_len, self._parents = other.cache_len, list(other._parents)
 
     @torch.inference_mode()
     def forward(self, token_ids: Tensor, parent_idx: Tensor, logits_rows: int | None = None) -> Tensor:

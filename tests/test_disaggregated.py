@@ -15,7 +15,7 @@ def test_bootstrap_interval_brackets_the_mean():
 
 def test_tiny_run_writes_every_field(tmp_path):
     argv = ["--tiny", "--num-prompts", "1", "--max-new-tokens", "6", "--temperatures", "0", "--methods", "sd:2"]
-    argv += ["--predraft", "on", "--cache-dir", str(tmp_path / "cache"), "--out-dir", str(tmp_path), "--name", "d"]
+    argv += ["--predraft", "on:2", "--cache-dir", str(tmp_path / "cache"), "--out-dir", str(tmp_path), "--name", "d"]
     argv += ["--ar-dtypes", "bfloat16"]  # the target alone in float32 (the verifier's) and bfloat16
     argv += ["--drafter-args", "--predraft-outcomes 2"]  # passed to the drafter, recorded
     assert disaggregated.main(argv) == 0
@@ -26,6 +26,7 @@ def test_tiny_run_writes_every_field(tmp_path):
     fields |= {"matches_ar", "speedup_vs_ar_same_core", "speedup_vs_ar_whole_machine", "block_efficiency_ci95"}
     assert fields <= set(row)
     assert row["matches_ar"] is True and row["pipelined"] is True  # against the float32 target alone
+    assert row["predraft_width"] == 2  # two trees pre-drafted side by side
     for ar in result["ar"].values():  # each placement's baseline is its fastest dtype
         by_dtype = ar["tokens_per_s_by_dtype"]
         assert set(by_dtype) == {"float32", "bfloat16"}

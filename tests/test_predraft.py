@@ -45,7 +45,7 @@ def _never_right(self, stop):
     return [((), int(self.tree.draft_probs[0].argmin()))]
 
 
-def _predraft_all(pre: PreDrafter, halt, arrived, deadline, limit) -> None:
+def _predraft_all(pre: PreDrafter, halt, arrived, deadline, limit, width=1, side_by_side=None) -> None:
     """drafter_service.engine.predraft_while_waiting without its stops: every outcome, whatever the time."""
     while pre.draft_next():
         pass
