@@ -199,14 +199,11 @@ class PackedForwards:
     def waiting(self) -> Iterator[None]:
         """Inside drafting(): this thread now waits for other threads (not for a forward of its own), so
         packed forwards do not wait for it meanwhile."""
-        with self._cond:
-            self._drafting -= 1
-            self._cond.notify_all()
+        self.leave()
         try:
             yield
         finally:
-            with self._cond:
-                self._drafting += 1
+            self.enter()
 
     def forward(
         self, runner: ModelRunner, token_ids: Tensor, parent_idx: Tensor, logits_rows: int | None = None

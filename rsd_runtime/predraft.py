@@ -215,13 +215,20 @@ class PreDrafter:
         used = next((d.num_forwards for d in self.drafts.values() if d.tree is hit), 0)
         return self.num_forwards - used
 
-    def _draft(self, outcome: Outcome, stop: Callable[[], bool] | None) -> PreDraft:
+    def _draft_for(
+        self, drafter: Drafter, outcome: Outcome, stop: Callable[[], bool] | None
+    ) -> tuple[list[int], DraftTree]:
+        """What the loop without pre-drafting does after o's verdict, on `drafter` (whose runner holds
+        tree t's state): commit o's path, draft o's prefix with o's step generator. -> (prefix, tree)."""
         path, token = outcome
         prefix = self.committed + self.tree.token_ids[list(path)].tolist() + [token]
-        commit_path(self.runner, self.committed, self.sent.tentative_of, list(path))
+        commit_path(drafter.runner, self.committed, self.sent.tentative_of, list(path))
         generator = step_generator(self.seed, Stream.DRAFT, len(prefix) - 1)
+        return prefix, drafter.draft(prefix, self.method, self.params, generator, stop)
+
+    def _draft(self, outcome: Outcome, stop: Callable[[], bool] | None) -> PreDraft:
         try:
-            tree = self.drafter.draft(prefix, self.method, self.params, generator, stop)
+            prefix, tree = self._draft_for(self.drafter, outcome, stop)
         finally:
             self.num_forwards += self.drafter.num_forwards
         state = self.runner.save(self.base.start)
@@ -235,13 +242,9 @@ class PreDrafter:
         forwards run). Safe in a thread of its own: it reads the drafter's runner, writes the shadow."""
         shadow.copy_from(self.runner, self._synced.get(shadow, 0))
         self._synced[shadow] = self.runner.cache_len  # committed: neither changes it before the verdict
-        path, token = outcome
-        prefix = self.committed + self.tree.token_ids[list(path)].tolist() + [token]
-        commit_path(shadow, self.committed, self.sent.tentative_of, list(path))
         drafter = Drafter(shadow, self.drafter.top_k, self.drafter.top_p, self.drafter.forward)
-        generator = step_generator(self.seed, Stream.DRAFT, len(prefix) - 1)
         try:
-            tree = drafter.draft(prefix, self.method, self.params, generator, stop)
+            prefix, tree = self._draft_for(drafter, outcome, stop)
         except DraftStopped:
             return None, drafter.num_forwards
         n = drafter.num_forwards

@@ -2,7 +2,8 @@
 
 Several outcomes are drafted at once, each on a shadow copy of the drafter's runner; a hit swaps the
 shadow in. In one process the wave's trees are drafted one after another, so a pipelined run must
-equal the plain run token for token; through the services their levels pack into one forward.
+equal the plain run token for token (tests/test_predraft.py runs that with width 2 too); through the
+services their levels pack into one forward.
 """
 
 from __future__ import annotations
@@ -19,13 +20,13 @@ from drafter_service.config import DrafterConfig
 from rsd.acceptance import Verdict
 from rsd.methods import Method
 from rsd.sampling import SamplingParams
-from rsd_runtime.generator import Drafter, SpeculativeGenerator, Stream, step_generator
+from rsd_runtime.generator import Drafter, Stream, step_generator
 from rsd_runtime.models import load_model
-from rsd_runtime.predraft import PipelinedGenerator, PreDrafter, PreDraftMismatchError, outcome_of
+from rsd_runtime.predraft import PreDrafter, PreDraftMismatchError, outcome_of
 from rsd_runtime.runner import ModelRunner
 from rsd_service.serving import load_config
 from rsd_tools.tiny import build_tiny_pair
-from tests.test_predraft import MAX_LEN, METHODS, PROMPT, TEMPERATURES
+from tests.test_predraft import MAX_LEN, METHODS, PROMPT
 from tests.test_services import gen_params, reference, run, services
 
 
@@ -56,25 +57,6 @@ def test_copy_from_copies_committed_and_tentative_tokens_and_only_what_changed(p
     assert (b.cache_len, b.num_tentative) == (5, 0) and torch.equal(_keys(a), _keys(b))
     with pytest.raises(ValueError, match="start"):
         ModelRunner(draft, 64).copy_from(a, start=1)  # a fresh runner shares nothing
-
-
-@pytest.mark.parametrize(("name", "shape"), METHODS)
-def test_waves_equal_plain_in_process(pair, name, shape):
-    draft, target = pair
-    plain = SpeculativeGenerator(ModelRunner(target, MAX_LEN), ModelRunner(draft, MAX_LEN))
-    waves = PipelinedGenerator(ModelRunner(target, MAX_LEN), ModelRunner(draft, MAX_LEN), max_outcomes=4, width=2)
-    method, hits = Method.parse(name, shape), 0
-    for temperature in TEMPERATURES:
-        for seed in range(3):
-            params = SamplingParams(temperature)
-            a = plain.generate(PROMPT, method, params, max_new_tokens=16, seed=seed)
-            b = waves.generate(PROMPT, method, params, max_new_tokens=16, seed=seed)
-            assert b.token_ids == a.token_ids, (temperature, seed)
-            assert b.stats.draft_forwards == a.stats.draft_forwards  # the same trees were sent
-            assert len(waves._pre.shadows) <= 4
-            hits += b.stats.predraft_hits
-    if name in ("sd", "spectr"):  # hits swap a shadow in: the steps after one are covered too
-        assert hits > 0
 
 
 def test_a_shadow_tree_for_another_outcome_is_caught_and_a_miss_leaves_the_runner(pair):
