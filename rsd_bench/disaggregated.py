@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="more dtypes for the target alone; each placement's baseline is its fastest (T = 0 is checked "
         "against --dtype's run)",
     )
-    ap.add_argument("--draft-quantize", default="int8", choices=("none", "int8"))
+    ap.add_argument("--draft-quantize", default="int8", choices=("none", "int8", "auto"))
     ap.add_argument("--drafter-args", default="", help="more drafter flags, e.g. '--predraft-outcomes 2'")
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples of the steps")

@@ -59,7 +59,9 @@ def load_model(
 
     small_batch_rows: linear layers over at most this many rows take use_small_batch_linear's path (on a
     CPU with AVX2, rsd_runtime.small_gemm: a 6-token forward of a 1.5B target costs 1.4x one token instead
-    of 3.2x). None picks per device: 64 for float32 on a CPU, 0 (torch's F.linear) elsewhere.
+    of 3.2x; in bfloat16 on a CPU with AVX512-BF16 every forward of up to 64 tokens runs faster than
+    through oneDNN). None picks per device: 64 on a CPU for float32, and for bfloat16 where that kernel
+    runs and the CPU has no AMX (small_gemm.preferred); 0 (torch's F.linear) elsewhere.
 
     attn_implementation "auto" takes sdpa where the architecture has it, else eager (Gemma2, GPT-Neo,
     Bloom, MPT, XGLM have no sdpa path); the choice is logged and kept in model.config._attn_implementation.
@@ -79,7 +81,9 @@ def load_model(
             model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager", **kwargs)
     model.to(torch.device(device)).eval().requires_grad_(False)
     if small_batch_rows is None:
-        small_batch_rows = 64 if torch.device(device).type == "cpu" and model.dtype == torch.float32 else 0
+        on_cpu = torch.device(device).type == "cpu"
+        kernel = model.dtype == torch.float32 or small_gemm.preferred(model.dtype)
+        small_batch_rows = 64 if on_cpu and kernel else 0
     if small_batch_rows:
         use_small_batch_linear(model, small_batch_rows)
     log.info(
@@ -89,7 +93,7 @@ def load_model(
         model.config._attn_implementation,
         model.dtype,
         device,
-        f"<= {small_batch_rows} rows ({'small_gemm' if small_gemm.available() else 'torch'})"
+        f"<= {small_batch_rows} rows ({'small_gemm' if small_gemm.available(model.dtype) else 'torch'})"
         if small_batch_rows
         else "off",
     )
@@ -107,14 +111,11 @@ def use_small_batch_linear(model: torch.nn.Module, max_rows: int = 64, kernel: s
     switches the path off again (set_small_batch_rows); set_linear_kernel picks the kernel afterwards.
     Returns the number of layers changed.
 
-    In bfloat16 (oneDNN's kernels, a CPU with AVX512-BF16) F.linear is the faster of the two up to
-    8 rows (Qwen2.5-0.5B output layer, 3 rows: 18 ms vs 28 ms; whole 1.5B forward, 1 row: 174 vs
-    218 ms) and the product the other way round only beyond (1.5B output layer, 32 rows: 50 vs
-    42 ms), so 16-bit inputs take this path only above 8 rows.
-
-    kernel "auto" computes float32 rows with rsd_runtime.small_gemm where the CPU runs it (AVX2+FMA and a
-    compiler): it streams each weight once for all rows and gives a row the same value in any batch;
-    "torch" keeps the product above.
+    kernel "auto" computes float32 and bfloat16 rows with rsd_runtime.small_gemm where the CPU runs it
+    (AVX2+FMA, AVX512-BF16; and a compiler): it streams each weight once for all rows and gives a row the
+    same value in any batch; "torch" keeps the product above. Without the kernel, 16-bit inputs of up to
+    8 rows take F.linear (oneDNN's bf16 F.linear beat the product the other way round there: Qwen2.5-0.5B
+    output layer, 3 rows: 18 ms vs 28 ms; whole 1.5B forward, 1 row: 174 vs 218 ms).
     """
     if kernel not in ("auto", "torch"):
         raise ValueError(f"kernel must be auto or torch, got {kernel!r}")
@@ -122,12 +123,14 @@ def use_small_batch_linear(model: torch.nn.Module, max_rows: int = 64, kernel: s
     def forward(self: torch.nn.Linear, x: Tensor) -> Tensor:
         rows = x.reshape(-1, x.shape[-1])  # [R, in]
         n = rows.shape[0]
-        if n > self.small_batch_rows or (n <= 8 and x.dtype != torch.float32):
+        if n > self.small_batch_rows:
             return torch.nn.functional.linear(x, self.weight, self.bias)
         if self.small_gemm and small_gemm.supports(rows, self.weight):
             out = small_gemm.small_gemm(rows, self.weight)  # [R, out]: each weight read once for all rows
             out = out + self.bias if self.bias is not None else out
             return out.reshape(*x.shape[:-1], out.shape[-1])
+        if n <= 8 and x.dtype != torch.float32:
+            return torch.nn.functional.linear(x, self.weight, self.bias)
         if n > 4 and n % 8:  # BLAS is much faster on a multiple of 8 columns: 13 rows cost more than 16
             rows = torch.cat([rows, rows.new_zeros(8 - n % 8, rows.shape[1])])
         out = (self.weight @ rows.T).T[:n]  # [R, out]
@@ -158,7 +161,8 @@ def set_linear_kernel(model: torch.nn.Module, kernel: str, max_rows: int = 64) -
 
         f_linear     torch's F.linear for any row count (max_rows 0)
         torch        weight @ x.T (use_small_batch_linear's kernel "torch")
-        small_gemm   rsd_runtime.small_gemm where it takes the rows, else weight @ x.T (its kernel "auto")
+        small_gemm   rsd_runtime.small_gemm where it takes the rows (float32: AVX2; bfloat16: AVX512-BF16),
+                     else use_small_batch_linear's kernel "auto" fallback
 
     All three agree up to float rounding. Returns the number of layers switched. A model with no patched
     layer is refused for "torch" and "small_gemm": it would time F.linear under another kernel's name."""
@@ -320,6 +324,8 @@ def int8_speedup(model: torch.nn.Module, rows: tuple[int, ...] = (1, 4), reps: i
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             int8_layer = DynamicLinear.from_float(source)
+        if hasattr(first[(n_in, n_out)], "small_batch_rows"):  # time it on the model's own path (small_gemm)
+            use_small_batch_linear(float_layer, first[(n_in, n_out)].small_batch_rows)
         for r in rows:
             x = torch.randn(r, n_in)
             xf = x.to(float_layer.weight.dtype)

@@ -1,24 +1,30 @@
-"""A CPU kernel for linear layers over a handful of rows: `y[R, N] = x[R, K] @ w[N, K]^T` with R <= 64.
+"""CPU kernels for linear layers over a handful of rows: `y[R, N] = x[R, K] @ w[N, K]^T` with R <= 64.
 
 A draft tree or a tree verification feeds each linear layer 2-16 rows. BLAS (MKL/oneDNN through F.linear)
 is tuned for large matrices: on one core it takes 3-4x the one-row time for 6 rows, while the product is
-still bound by reading the weight once (1.5B fp32: ~6 GB per forward). This kernel streams each weight
-once for all rows: it walks the weight two output rows at a time (12 KB for K = 1536, held in L1) and
-multiplies that block with every group of up to 6 input rows (groups of near-equal size), in up to 12
-AVX2 accumulators, while it prefetches the weight rows six ahead, spread over all the groups: the next
-weights stream in from memory while this pair's rows are multiplied (13 rows of the 1.5B target's
-up-projection on one Zen 3 core: 12.5 -> 8.5 ms; a whole 13-token forward 1,517 -> 1,289 ms).
+still bound by reading the weight once (1.5B fp32: ~6 GB per forward). These kernels stream each weight
+once for all rows: they walk the weight a few output rows at a time (a block held in L1) and multiply
+that block with every group of up to 6 input rows (groups of near-equal size), while they prefetch the
+weight rows ahead, spread over all the groups: the next weights stream in from memory while this block's
+rows are multiplied.
 
-    y = small_gemm(x, weight)         # x [R, K] float32, weight [N, K] float32, both contiguous
+    y = small_gemm(x, weight)         # x [R, K], weight [N, K], both float32 or both bfloat16
+
+- float32 (AVX2 + FMA): pairs of weight rows, 12 accumulators (13 rows of the 1.5B target's
+  up-projection on one Zen 3 core: 12.5 -> 8.5 ms; a whole 13-token forward 1,517 -> 1,289 ms).
+- bfloat16 (AVX512-BF16, `vdpbf16ps`: 32 products a lane-wide instruction, summed in float32 and rounded
+  to bfloat16 to nearest even, as torch does): four weight rows at a time, 24 accumulators. oneDNN's
+  bf16 F.linear reads weights at ~8 GB/s on one Zen 4 core, where a plain stream reads 27 GB/s; this
+  kernel reads at ~20 GB/s for 1-6 rows (the 1.5B up-projection: 1 row 3.7 -> 1.4 ms, 13 rows 4.4 -> 2.5).
 
 Exactness: a row's result is the same whatever rows share its call (each row has its own accumulators,
 summed over K in the same order), so a tree's node gets bit-for-bit the value it would get alone; against
 F.linear it differs by float rounding only (tests/test_small_gemm.py).
 
-The kernel is C compiled at first use with the system compiler (`cc`, -O3 -mavx2 -mfma) into
-~/.cache/rsd/kernels and called through ctypes (which releases the GIL, so threads split the output
-columns). `available()` says whether it can run here: an x86-64 CPU with AVX2 and FMA and a compiler;
-where it cannot, callers keep their torch path (speed only; the law is unchanged).
+Each kernel is C compiled at first use with the system compiler (`cc`) into ~/.cache/rsd/kernels and
+called through ctypes (which releases the GIL); threads of torch's own OpenMP team split the output
+columns. `available(dtype)` says whether one can run here: an x86-64 CPU with its instructions and a
+compiler that knows them; where it cannot, callers keep their torch path (speed only; the law is unchanged).
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import platform
 import subprocess
 import tempfile
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,7 +47,7 @@ log = logging.getLogger(__name__)
 
 MAX_ROWS = 64  # above this, BLAS is the faster path
 
-_SOURCE = r"""
+_SOURCE_F32 = r"""
 #include <immintrin.h>
 #include <stdint.h>
 
@@ -112,85 +118,205 @@ void small_gemm(const float* x, const float* w, float* y, int64_t R, int64_t K, 
 }
 """
 
+# Appended to each kernel: the output columns split over threads of the caller's OpenMP team. The library
+# links libgomp.so.1, which the loader finds already loaded by torch: the same workers as torch's own ops,
+# so no second team spins beside them (a Python thread pool here ran a 2-thread bf16 forward slower than
+# one thread: 229 against 204 ms, torch's idle workers spinning on the cores its threads needed).
+_THREADS = r"""
+#include <omp.h>
+void small_gemm_threads(const void* x, const void* w, void* y, int64_t R, int64_t K, int64_t N, int64_t threads) {
+    if (threads <= 1) {
+        small_gemm(x, w, y, R, K, N, 0, N);
+        return;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t n0 = (N * t / nt) & ~3, n1 = t + 1 == nt ? N : (N * (t + 1) / nt) & ~3; /* even starts */
+        small_gemm(x, w, y, R, K, N, n0, n1);
+    }
+}
+"""
+
+_SOURCE_BF16 = r"""
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#define JB 4            /* weight rows at once: 4 x 6 accumulators, 4 weight and 1 input vector in 32 registers */
+#define PREFETCH_ROWS 8 /* prefetch the weight rows this far ahead (into L2: into L1 was slower) */
+
+static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch does; a NaN stays a NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* RN input rows (xr, row stride K) times the JB weight rows at w (jn of them real; the rest repeat row 0
+   and are not stored) into y[r, j + q] (row stride N), in JB * RN accumulators. Each step prefetches
+   `per` lines of [p0, p0 + np) of the weight block at pf (the loops are unrolled so that the
+   accumulators stay in registers). */
+#define BGROUP(RN)                                                                                     \
+    static inline void bgroup##RN(const uint16_t* xr, const uint16_t* w, int64_t K, int64_t jn,       \
+                                  const char* pf, int64_t p0, int64_t np, int64_t per, uint16_t* y,   \
+                                  int64_t N, int64_t j) {                                              \
+        __m512 acc[JB][RN];                                                                            \
+        const uint16_t* wq[JB];                                                                        \
+        _Pragma("GCC unroll 4") for (int q = 0; q < JB; q++) {                                         \
+            wq[q] = w + (q < jn ? q : 0) * K;                                                          \
+            _Pragma("GCC unroll 6") for (int r = 0; r < RN; r++) acc[q][r] = _mm512_setzero_ps();      \
+        }                                                                                              \
+        int64_t line = p0;                                                                             \
+        for (int64_t k = 0; k < K; k += 32) {                                                          \
+            for (int64_t i = 0; pf && i < per && line < p0 + np; i++)                                  \
+                _mm_prefetch(pf + 64 * line++, _MM_HINT_T1);                                           \
+            __m512bh wv[JB];                                                                           \
+            _Pragma("GCC unroll 4") for (int q = 0; q < JB; q++)                                       \
+                wv[q] = (__m512bh)_mm512_loadu_si512(wq[q] + k);                                       \
+            _Pragma("GCC unroll 6") for (int r = 0; r < RN; r++) {                                     \
+                const __m512bh xv = (__m512bh)_mm512_loadu_si512(xr + r * K + k);                      \
+                _Pragma("GCC unroll 4") for (int q = 0; q < JB; q++)                                   \
+                    acc[q][r] = _mm512_dpbf16_ps(acc[q][r], xv, wv[q]);                                \
+            }                                                                                          \
+        }                                                                                              \
+        float out[RN][JB];                                                                             \
+        _Pragma("GCC unroll 6") for (int r = 0; r < RN; r++)                                           \
+            _Pragma("GCC unroll 4") for (int q = 0; q < JB; q++) out[r][q] = _mm512_reduce_add_ps(acc[q][r]); \
+        for (int r = 0; r < RN; r++)                                                                   \
+            for (int q = 0; q < jn; q++) y[r * N + j + q] = to_bf16(out[r][q]);                        \
+    }
+BGROUP(1) BGROUP(2) BGROUP(3) BGROUP(4) BGROUP(5) BGROUP(6)
+
+/* As the float32 kernel, over bfloat16 (uint16 bits) with K % 32 == 0, JB output columns at a time. */
+void small_gemm(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t R, int64_t K, int64_t N, int64_t n0,
+                int64_t n1) {
+    const int64_t groups = (R + 5) / 6, lines = (JB * K * 2 + 63) / 64, steps = K / 32;
+    for (int64_t j = n0; j < n1; j += JB) {
+        const int64_t jn = n1 - j < JB ? n1 - j : JB;
+        const char* pf = j + PREFETCH_ROWS + JB <= n1 ? (const char*)(w + (j + PREFETCH_ROWS) * K) : 0;
+        for (int64_t g = 0, r0 = 0; g < groups; g++) {
+            const int64_t rn = (R - r0 + groups - g - 1) / (groups - g);
+            const int64_t p0 = lines * g / groups, np = lines * (g + 1) / groups - p0;
+            const int64_t per = (np + steps - 1) / steps;
+            const uint16_t *xr = x + r0 * K, *wj = w + j * K;
+            uint16_t* yr = y + r0 * N;
+            switch (rn) {
+                case 1: bgroup1(xr, wj, K, jn, pf, p0, np, per, yr, N, j); break;
+                case 2: bgroup2(xr, wj, K, jn, pf, p0, np, per, yr, N, j); break;
+                case 3: bgroup3(xr, wj, K, jn, pf, p0, np, per, yr, N, j); break;
+                case 4: bgroup4(xr, wj, K, jn, pf, p0, np, per, yr, N, j); break;
+                case 5: bgroup5(xr, wj, K, jn, pf, p0, np, per, yr, N, j); break;
+                default: bgroup6(xr, wj, K, jn, pf, p0, np, per, yr, N, j); break;
+            }
+            r0 += rn;
+        }
+    }
+}
+"""
+
+
+@dataclass(frozen=True)
+class _Kernel:
+    source: str
+    cflags: tuple[str, ...]  # what the compiler needs to emit its instructions
+    cpu_flags: tuple[str, ...]  # what /proc/cpuinfo must list
+    k_multiple: int  # K must be a multiple of this (one vector of the dtype)
+
+
+_KERNELS = {
+    torch.float32: _Kernel(_SOURCE_F32 + _THREADS, ("-mavx2", "-mfma"), ("avx2", "fma"), 8),
+    torch.bfloat16: _Kernel(
+        _SOURCE_BF16 + _THREADS,
+        ("-mavx512f", "-mavx512bw", "-mavx512bf16"),
+        ("avx512f", "avx512bw", "avx512_bf16"),
+        32,
+    ),
+}
+
 _lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_failed: str | None = None
-_pool: ThreadPoolExecutor | None = None
-_pool_size = 0
+_libs: dict[torch.dtype, ctypes.CDLL] = {}
+_failed: dict[torch.dtype, str] = {}
 
 
-def _cpu_has_avx2_fma() -> bool:
+def _cpu_flags() -> set[str]:
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
+        return set()
     try:
-        flags = Path("/proc/cpuinfo").read_text().split()
+        return set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
-        return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-    return "avx2" in flags and "fma" in flags
+        return {"avx2", "fma"} if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else set()
 
 
-def _build() -> ctypes.CDLL:
-    digest = hashlib.sha256(_SOURCE.encode()).hexdigest()[:16]
+def _build(kernel: _Kernel) -> ctypes.CDLL:
+    digest = hashlib.sha256((kernel.source + " ".join(kernel.cflags)).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("RSD_KERNEL_DIR", Path.home() / ".cache" / "rsd" / "kernels"))
     so = cache / f"small_gemm-{digest}.so"
     if not so.exists():
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
             src, out = Path(tmp) / "small_gemm.c", Path(tmp) / so.name
-            src.write_text(_SOURCE)
+            src.write_text(kernel.source)
             cc = os.environ.get("CC", "cc")
-            cmd = [cc, "-O3", "-mavx2", "-mfma", "-shared", "-fPIC", str(src), "-o", str(out)]
+            cmd = [cc, "-O3", *kernel.cflags, "-fopenmp", "-shared", "-fPIC", str(src), "-o", str(out)]
             subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
             os.replace(out, so)  # atomic: another process may be building the same file
     lib = ctypes.CDLL(str(so))
-    lib.small_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5
-    lib.small_gemm.restype = None
+    lib.small_gemm_threads.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
+    lib.small_gemm_threads.restype = None
     return lib
 
 
-def available() -> bool:
-    """Whether the kernel runs on this machine (built on first call; the reason is logged once if not)."""
-    global _lib, _failed
+def available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether the kernel for `dtype` runs on this machine (built on first call; the reason is logged
+    once if not). float32 needs AVX2+FMA, bfloat16 AVX512-BF16; both a C compiler."""
     with _lock:
-        if _lib is None and _failed is None:
-            if not _cpu_has_avx2_fma():
-                _failed = "the CPU has no AVX2+FMA"
+        if dtype not in _libs and dtype not in _failed:
+            kernel = _KERNELS.get(dtype)
+            missing = [f for f in kernel.cpu_flags if f not in _cpu_flags()] if kernel else []
+            if kernel is None:
+                _failed[dtype] = f"no kernel for {dtype}"
+            elif missing:
+                _failed[dtype] = f"the CPU lacks {', '.join(missing)}"
             else:
                 try:
-                    _lib = _build()
+                    _libs[dtype] = _build(kernel)
                 except (OSError, subprocess.SubprocessError) as e:
-                    _failed = f"cannot build it: {getattr(e, 'stderr', '') or e}"
-            if _failed:
-                log.info("small_gemm kernel off: %s", _failed)
-        return _lib is not None
+                    _failed[dtype] = f"cannot build it: {getattr(e, 'stderr', '') or e}"
+            if dtype in _failed:
+                log.info("small_gemm kernel for %s off: %s", dtype, _failed[dtype])
+        return dtype in _libs
+
+
+def preferred(dtype: torch.dtype) -> bool:
+    """Whether models of this dtype should compute their small-row linear layers here by default (load_model):
+    where the kernel runs, except bfloat16 on a CPU with AMX, whose matrix tiles make oneDNN's F.linear of
+    16 rows cost about one row (Xeon, 1.5B target: 13 tokens 1.16x one token)."""
+    return available(dtype) and not (dtype == torch.bfloat16 and "amx_bf16" in _cpu_flags())
 
 
 def supports(x: Tensor, weight: Tensor) -> bool:
-    """Whether small_gemm takes these operands: float32 CPU tensors, K a multiple of 8, 1..MAX_ROWS rows."""
+    """Whether small_gemm takes these operands: CPU tensors of one dtype with a kernel here (float32 or
+    bfloat16), K a multiple of its vector (8 or 32), 1..MAX_ROWS rows."""
+    kernel = _KERNELS.get(x.dtype)
     return (
-        x.dtype == weight.dtype == torch.float32
+        kernel is not None
+        and x.dtype == weight.dtype
         and x.device.type == weight.device.type == "cpu"
         and x.shape[-1] == weight.shape[1]
-        and weight.shape[1] % 8 == 0
+        and weight.shape[1] % kernel.k_multiple == 0
         and 0 < x.numel() // x.shape[-1] <= MAX_ROWS
-        and available()
+        and available(x.dtype)
     )
 
 
 def small_gemm(x: Tensor, weight: Tensor, threads: int | None = None) -> Tensor:
-    """x [R, K] @ weight[N, K]^T -> [R, N] (float32, CPU; check `supports` first). `threads` (default
+    """x [R, K] @ weight[N, K]^T -> [R, N] in x's dtype (CPU; check `supports` first). `threads` (default
     torch's thread count) split the N output columns; each thread streams its own part of the weight."""
-    global _pool, _pool_size
     x, weight = x.contiguous(), weight.contiguous()
     (rows, k), n = x.shape, weight.shape[0]
-    y = torch.empty(rows, n, dtype=torch.float32)
+    y = torch.empty(rows, n, dtype=x.dtype)
     threads = max(1, min(threads or torch.get_num_threads(), n // 256))
-    args = (x.data_ptr(), weight.data_ptr(), y.data_ptr(), rows, k, n)
-    if threads == 1:
-        _lib.small_gemm(*args, 0, n)
-        return y
-    if _pool_size < threads:
-        _pool, _pool_size = ThreadPoolExecutor(threads, thread_name_prefix="small_gemm"), threads
-    cuts = [(n * i // threads) & ~1 for i in range(threads)] + [n]  # even starts: the kernel pairs columns
-    list(_pool.map(lambda i: _lib.small_gemm(*args, cuts[i], cuts[i + 1]), range(threads)))
+    _libs[x.dtype].small_gemm_threads(x.data_ptr(), weight.data_ptr(), y.data_ptr(), rows, k, n, threads)
     return y

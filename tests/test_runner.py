@@ -276,8 +276,10 @@ def test_dtype_strings():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_small_batch_linear_path_per_dtype(dtype):
-    """fp32 takes weight @ x.T for any row count up to max_rows (rows > 4 padded to a multiple of 8);
-    bf16 keeps F.linear (oneDNN) up to 8 rows and only then transposes; beyond max_rows, F.linear."""
+    """Up to max_rows rows a layer takes rsd_runtime.small_gemm where it runs for the dtype; else fp32 takes
+    weight @ x.T (rows > 4 padded to a multiple of 8) and bf16 keeps F.linear (oneDNN) up to 8 rows and only
+    then transposes; beyond max_rows, F.linear."""
+    from rsd_runtime import small_gemm
     from rsd_runtime.models import set_small_batch_rows, use_small_batch_linear
 
     torch.manual_seed(0)
@@ -291,7 +293,10 @@ def test_small_batch_linear_path_per_dtype(dtype):
         assert out.shape == plain.shape == (1, rows, 48) and out.dtype == dtype
         tol = 1e-5 if dtype == torch.float32 else 3e-2
         torch.testing.assert_close(out, plain, atol=tol, rtol=tol)
-        if (dtype == torch.bfloat16 and rows <= 8) or rows > 16:
+        kernel = rows <= 16 and small_gemm.supports(x[0], layer.weight)
+        if kernel:
+            assert torch.equal(out, small_gemm.small_gemm(x[0], layer.weight)[None] + layer.bias)
+        elif (dtype == torch.bfloat16 and rows <= 8) or rows > 16:
             assert torch.equal(out, plain)  # the very same kernel
     set_small_batch_rows(model, 0)
     x = torch.randn(1, 5, 32, dtype=dtype)

@@ -1,4 +1,5 @@
-"""The small-row CPU kernel: float rounding away from F.linear, and a row's value independent of its batch."""
+"""The small-row CPU kernels (float32 AVX2, bfloat16 AVX512-BF16): float rounding away from F.linear, a row's
+value independent of its batch and of the thread count, and the model path that uses them."""
 
 import pytest
 import torch
@@ -6,21 +7,41 @@ import torch.nn.functional as F
 
 from rsd_runtime import small_gemm as sg
 
-pytestmark = pytest.mark.skipif(not sg.available(), reason="no AVX2+FMA CPU or no C compiler here")
+DTYPES = [
+    pytest.param(torch.float32, marks=pytest.mark.skipif(not sg.available(torch.float32), reason="no AVX2+FMA")),
+    pytest.param(
+        torch.bfloat16, marks=pytest.mark.skipif(not sg.available(torch.bfloat16), reason="no AVX512-BF16 CPU")
+    ),
+]
+K = {torch.float32: 64, torch.bfloat16: 96}  # multiples of each kernel's vector (8 / 32), more than one vector
 
 
+def _close(y, ref, dtype):
+    if dtype == torch.float32:
+        torch.testing.assert_close(y, ref.float(), rtol=1e-5, atol=1e-5)
+    else:  # float32 sums in another order, then one rounding to bfloat16: within one bf16 ulp of the exact sum
+        exact = ref.float()
+        assert (y.float() - exact).abs().le(exact.abs() * 2**-8 + 1e-6).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 12, 13, 16, 64])
-@pytest.mark.parametrize("n", [1, 2, 7, 256, 1000])
-def test_matches_f_linear_to_rounding(rows, n):
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 7, 256, 1000])
+def test_matches_f_linear_to_rounding(dtype, rows, n):
     gen = torch.Generator().manual_seed(rows * 1000 + n)
-    x, w = torch.randn(rows, 64, generator=gen), torch.randn(n, 64, generator=gen)
+    x, w = torch.randn(rows, K[dtype], generator=gen), torch.randn(n, K[dtype], generator=gen)
+    x, w = x.to(dtype), w.to(dtype)
     assert sg.supports(x, w)
-    torch.testing.assert_close(sg.small_gemm(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    y = sg.small_gemm(x, w)
+    assert y.dtype == dtype and y.shape == (rows, n)
+    _close(y, F.linear(x.double(), w.double()), dtype)
 
 
-def test_a_row_is_the_same_in_any_batch_and_any_thread_count():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_row_is_the_same_in_any_batch_and_any_thread_count(dtype):
     gen = torch.Generator().manual_seed(0)
-    x, w = torch.randn(13, 128, generator=gen), torch.randn(1030, 128, generator=gen)
+    x = torch.randn(13, 2 * K[dtype], generator=gen).to(dtype)
+    w = torch.randn(1030, 2 * K[dtype], generator=gen).to(dtype)
     whole = sg.small_gemm(x, w, threads=1)
     assert torch.equal(whole, sg.small_gemm(x, w, threads=2))
     for r in range(13):
@@ -28,8 +49,56 @@ def test_a_row_is_the_same_in_any_batch_and_any_thread_count():
         assert torch.equal(whole[r], sg.small_gemm(x[r:], w, threads=3)[0])
 
 
+def test_bf16_rounds_to_nearest_even_and_keeps_nan_and_inf():
+    if not sg.available(torch.bfloat16):
+        pytest.skip("no AVX512-BF16 CPU")
+    one = torch.zeros(1, 32, dtype=torch.bfloat16)
+    one[0, 0] = 1.0
+    # w[:, 0] holds values whose float32 sums sit exactly between two bf16 numbers, or carry inf/nan
+    values = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, float("inf"), float("nan"), -0.0], dtype=torch.float32)
+    w = torch.zeros(len(values), 32, dtype=torch.bfloat16)
+    w[:, 0] = values.bfloat16()  # bf16 of 1 + 2^-8 ties to 1.0, of 1 + 3 * 2^-8 to 1 + 2^-6 (even mantissas)
+    y = sg.small_gemm(one, w)[0]
+    assert torch.equal(y[:3], F.linear(one.float(), w.float())[0, :3].bfloat16())
+    assert y[3].isnan()
+
+
 def test_refuses_what_it_cannot_take():
     w = torch.randn(16, 64)
-    assert not sg.supports(torch.randn(2, 64, dtype=torch.bfloat16), w.bfloat16())
+    assert not sg.supports(torch.randn(2, 64, dtype=torch.float16), w.half())  # no float16 kernel
+    assert not sg.supports(torch.randn(2, 64).bfloat16(), w)  # mixed dtypes
     assert not sg.supports(torch.randn(sg.MAX_ROWS + 1, 64), w)
     assert not sg.supports(torch.randn(2, 60), torch.randn(16, 60))  # K not a multiple of 8
+    assert not sg.supports(torch.randn(2, 48).bfloat16(), torch.randn(16, 48).bfloat16())  # nor of 32 in bf16
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_model_uses_the_kernel_and_keeps_its_logits(dtype, tmp_path, monkeypatch):
+    """load_model puts a CPU model of either dtype on the kernel by default, and its logits stay within
+    rounding of F.linear's (bfloat16 where small_gemm.preferred: not on an AMX CPU, where oneDNN wins)."""
+    if not sg.preferred(dtype):
+        pytest.skip(f"load_model keeps F.linear for {dtype} on this CPU")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rsd_runtime.models import load_model, set_linear_kernel
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4
+    )
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    model = load_model(tmp_path, "cpu", {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype])
+    layer = model.model.layers[0].mlp.up_proj
+    assert layer.small_batch_rows == 64 and layer.small_gemm
+    calls = []
+    original = sg.small_gemm
+    monkeypatch.setattr(sg, "small_gemm", lambda *a, **k: calls.append(1) or original(*a, **k))
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        kernel_logits = model(ids).logits
+    assert calls  # the kernel ran
+    set_linear_kernel(model, "f_linear")
+    with torch.no_grad():
+        blas_logits = model(ids).logits
+    tol = 1e-4 if dtype == torch.float32 else 0.1
+    torch.testing.assert_close(kernel_logits.float(), blas_logits.float(), rtol=tol, atol=tol)
