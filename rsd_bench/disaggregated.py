@@ -290,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": args.dtype,
         "draft_quantize": args.draft_quantize,
         "drafter_args": args.drafter_args,
+        "small_gemm": os.environ.get("RSD_SMALL_GEMM", "1") != "0",  # the small-row kernels (RSD_SMALL_GEMM=0: off)
         "placement": {
             "drafter_cores": args.drafter_cores,
             "verifier_cores": args.verifier_cores,
@@ -336,7 +337,8 @@ def markdown(result: dict) -> str:
         "thread(s) (drafter / verifier), gateway on cores "
         f"{p.get('gateway_cores') or 'any'}; {len(result['prompts'])} stdlib prompts x "
         f"{result['max_new_tokens']} new tokens (the target's EOS stops earlier). CPU: {m['cpu_model']}, flags "
-        f"{' '.join(m['cpu_flags'])}; load {m['loadavg_start']} at the start, {result['loadavg_end']} at the end.",
+        f"{' '.join(m['cpu_flags'])}; load {m['loadavg_start']} at the start, {result['loadavg_end']} at the end."
+        + ("" if result.get("small_gemm", True) else " Small-row kernels off (RSD_SMALL_GEMM=0): torch's F.linear."),
         "",
         "| target alone (its fastest dtype: the baseline) | " + " | ".join(f"T={t}" for t in _ar_temps(result)) + " |",
         "| --- | " + " | ".join("---" for _ in _ar_temps(result)) + " |",

@@ -30,6 +30,7 @@ compiler that knows them; where it cannot, callers keep their torch path (speed 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -240,13 +241,14 @@ _libs: dict[torch.dtype, ctypes.CDLL] = {}
 _failed: dict[torch.dtype, str] = {}
 
 
-def _cpu_flags() -> set[str]:
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return set()
+        return frozenset()
     try:
-        return set(Path("/proc/cpuinfo").read_text().split())
+        return frozenset(Path("/proc/cpuinfo").read_text().split())
     except OSError:
-        return {"avx2", "fma"} if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else set()
+        return frozenset({"avx2", "fma"} if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else ())
 
 
 def _build(kernel: _Kernel) -> ctypes.CDLL:
@@ -270,12 +272,15 @@ def _build(kernel: _Kernel) -> ctypes.CDLL:
 
 def available(dtype: torch.dtype = torch.float32) -> bool:
     """Whether the kernel for `dtype` runs on this machine (built on first call; the reason is logged
-    once if not). float32 needs AVX2+FMA, bfloat16 AVX512-BF16; both a C compiler."""
+    once if not). float32 needs AVX2+FMA, bfloat16 AVX512-BF16; both a C compiler. RSD_SMALL_GEMM=0 in the
+    environment turns both off (their callers keep torch's path: an A/B of the kernels through the services)."""
     with _lock:
         if dtype not in _libs and dtype not in _failed:
             kernel = _KERNELS.get(dtype)
             missing = [f for f in kernel.cpu_flags if f not in _cpu_flags()] if kernel else []
-            if kernel is None:
+            if os.environ.get("RSD_SMALL_GEMM", "1") == "0":
+                _failed[dtype] = "RSD_SMALL_GEMM=0"
+            elif kernel is None:
                 _failed[dtype] = f"no kernel for {dtype}"
             elif missing:
                 _failed[dtype] = f"the CPU lacks {', '.join(missing)}"

@@ -102,3 +102,16 @@ def test_a_model_uses_the_kernel_and_keeps_its_logits(dtype, tmp_path, monkeypat
         blas_logits = model(ids).logits
     tol = 1e-4 if dtype == torch.float32 else 0.1
     torch.testing.assert_close(kernel_logits.float(), blas_logits.float(), rtol=tol, atol=tol)
+
+
+def test_rsd_small_gemm_0_turns_the_kernels_off():
+    """The A/B switch: every process started with RSD_SMALL_GEMM=0 keeps torch's path (checked in a child:
+    this process has built its kernels already)."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import torch; from rsd_runtime import small_gemm as sg; print(sg.available(), sg.available(torch.bfloat16))"
+    env = {**os.environ, "RSD_SMALL_GEMM": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
