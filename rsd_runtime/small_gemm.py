@@ -139,61 +139,50 @@ void small_gemm_threads(const void* x, const void* w, void* y, int64_t R, int64_
 }
 """
 
-_SOURCE_BF16 = r"""
-#include <immintrin.h>
-#include <stdint.h>
-#include <string.h>
-
-#define JB 4            /* weight rows at once: 4 x 6 accumulators, 4 weight and 1 input vector in 32 registers */
-#define PREFETCH_ROWS 8 /* prefetch the weight rows this far ahead (into L2: into L1 was slower) */
-
-static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch does; a NaN stays a NaN */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
+# AVX-512 kernels share one tiling, written once over these macros (each kernel defines them first):
+# XT / WT the input and weight element types, STEP elements a vector, ACC the accumulator vector, ZERO,
+# LOAD(p) a vector of elements, FMA(acc, x, w) the dot-product step, OUT_T / REDUCE(acc) the row sum, and
+# STORE(v) what y holds (YT). Four weight rows at a time against groups of up to six input rows: 24
+# accumulators, 4 weight and 1 input vector in the 32 registers (the loops are unrolled so that the
+# accumulators stay there); the weight rows PREFETCH_ROWS ahead are prefetched into L2 (into L1 was slower).
+_TILES = r"""
+#define JB 4
+#define PREFETCH_ROWS 8
 
 /* RN input rows (xr, row stride K) times the JB weight rows at w (jn of them real; the rest repeat row 0
-   and are not stored) into y[r, j + q] (row stride N), in JB * RN accumulators. Each step prefetches
-   `per` lines of [p0, p0 + np) of the weight block at pf (the loops are unrolled so that the
-   accumulators stay in registers). */
-#define BGROUP(RN)                                                                                     \
-    static inline void bgroup##RN(const uint16_t* xr, const uint16_t* w, int64_t K, int64_t jn,       \
-                                  const char* pf, int64_t p0, int64_t np, int64_t per, uint16_t* y,   \
-                                  int64_t N, int64_t j) {                                              \
-        __m512 acc[JB][RN];                                                                            \
-        const uint16_t* wq[JB];                                                                        \
+   and are not stored) into y[r, j + q] (row stride N). Each step prefetches `per` lines of [p0, p0 + np)
+   of the weight block at pf. */
+#define GROUP(RN)                                                                                      \
+    static inline void group##RN(const XT* xr, const WT* w, int64_t K, int64_t jn, const char* pf,      \
+                                 int64_t p0, int64_t np, int64_t per, YT* y, int64_t N, int64_t j) {   \
+        ACC acc[JB][RN];                                                                               \
+        const WT* wq[JB];                                                                              \
         _Pragma("GCC unroll 4") for (int q = 0; q < JB; q++) {                                         \
             wq[q] = w + (q < jn ? q : 0) * K;                                                          \
-            _Pragma("GCC unroll 6") for (int r = 0; r < RN; r++) acc[q][r] = _mm512_setzero_ps();      \
+            _Pragma("GCC unroll 6") for (int r = 0; r < RN; r++) acc[q][r] = ZERO;                     \
         }                                                                                              \
         int64_t line = p0;                                                                             \
-        for (int64_t k = 0; k < K; k += 32) {                                                          \
+        for (int64_t k = 0; k < K; k += STEP) {                                                        \
             for (int64_t i = 0; pf && i < per && line < p0 + np; i++)                                  \
                 _mm_prefetch(pf + 64 * line++, _MM_HINT_T1);                                           \
-            __m512bh wv[JB];                                                                           \
-            _Pragma("GCC unroll 4") for (int q = 0; q < JB; q++)                                       \
-                wv[q] = (__m512bh)_mm512_loadu_si512(wq[q] + k);                                       \
+            ACC_IN wv[JB];                                                                             \
+            _Pragma("GCC unroll 4") for (int q = 0; q < JB; q++) wv[q] = LOAD(wq[q] + k);              \
             _Pragma("GCC unroll 6") for (int r = 0; r < RN; r++) {                                     \
-                const __m512bh xv = (__m512bh)_mm512_loadu_si512(xr + r * K + k);                      \
-                _Pragma("GCC unroll 4") for (int q = 0; q < JB; q++)                                   \
-                    acc[q][r] = _mm512_dpbf16_ps(acc[q][r], xv, wv[q]);                                \
+                const ACC_IN xv = LOAD(xr + r * K + k);                                                \
+                _Pragma("GCC unroll 4") for (int q = 0; q < JB; q++) acc[q][r] = FMA(acc[q][r], xv, wv[q]); \
             }                                                                                          \
         }                                                                                              \
-        float out[RN][JB];                                                                             \
+        OUT_T out[RN][JB];                                                                             \
         _Pragma("GCC unroll 6") for (int r = 0; r < RN; r++)                                           \
-            _Pragma("GCC unroll 4") for (int q = 0; q < JB; q++) out[r][q] = _mm512_reduce_add_ps(acc[q][r]); \
+            _Pragma("GCC unroll 4") for (int q = 0; q < JB; q++) out[r][q] = REDUCE(acc[q][r]);        \
         for (int r = 0; r < RN; r++)                                                                   \
-            for (int q = 0; q < jn; q++) y[r * N + j + q] = to_bf16(out[r][q]);                        \
+            for (int q = 0; q < jn; q++) y[r * N + j + q] = STORE(out[r][q]);                          \
     }
-BGROUP(1) BGROUP(2) BGROUP(3) BGROUP(4) BGROUP(5) BGROUP(6)
+GROUP(1) GROUP(2) GROUP(3) GROUP(4) GROUP(5) GROUP(6)
 
-/* As the float32 kernel, over bfloat16 (uint16 bits) with K % 32 == 0, JB output columns at a time. */
-void small_gemm(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t R, int64_t K, int64_t N, int64_t n0,
-                int64_t n1) {
-    const int64_t groups = (R + 5) / 6, lines = (JB * K * 2 + 63) / 64, steps = K / 32;
+/* As the float32 kernel, JB output columns at a time; K % STEP == 0. */
+void small_gemm(const XT* x, const WT* w, YT* y, int64_t R, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+    const int64_t groups = (R + 5) / 6, lines = (JB * K * (int64_t)sizeof(WT) + 63) / 64, steps = K / STEP;
     for (int64_t j = n0; j < n1; j += JB) {
         const int64_t jn = n1 - j < JB ? n1 - j : JB;
         const char* pf = j + PREFETCH_ROWS + JB <= n1 ? (const char*)(w + (j + PREFETCH_ROWS) * K) : 0;
@@ -201,21 +190,111 @@ void small_gemm(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t R, in
             const int64_t rn = (R - r0 + groups - g - 1) / (groups - g);
             const int64_t p0 = lines * g / groups, np = lines * (g + 1) / groups - p0;
             const int64_t per = (np + steps - 1) / steps;
-            const uint16_t *xr = x + r0 * K, *wj = w + j * K;
-            uint16_t* yr = y + r0 * N;
+            const XT* xr = x + r0 * K;
+            const WT* wj = w + j * K;
+            YT* yr = y + r0 * N;
             switch (rn) {
-                case 1: bgroup1(xr, wj, K, jn, pf, p0, np, per, yr, N, j); break;
-                case 2: bgroup2(xr, wj, K, jn, pf, p0, np, per, yr, N, j); break;
-                case 3: bgroup3(xr, wj, K, jn, pf, p0, np, per, yr, N, j); break;
-                case 4: bgroup4(xr, wj, K, jn, pf, p0, np, per, yr, N, j); break;
-                case 5: bgroup5(xr, wj, K, jn, pf, p0, np, per, yr, N, j); break;
-                default: bgroup6(xr, wj, K, jn, pf, p0, np, per, yr, N, j); break;
+                case 1: group1(xr, wj, K, jn, pf, p0, np, per, yr, N, j); break;
+                case 2: group2(xr, wj, K, jn, pf, p0, np, per, yr, N, j); break;
+                case 3: group3(xr, wj, K, jn, pf, p0, np, per, yr, N, j); break;
+                case 4: group4(xr, wj, K, jn, pf, p0, np, per, yr, N, j); break;
+                case 5: group5(xr, wj, K, jn, pf, p0, np, per, yr, N, j); break;
+                default: group6(xr, wj, K, jn, pf, p0, np, per, yr, N, j); break;
             }
             r0 += rn;
         }
     }
 }
 """
+
+# bfloat16 (AVX512-BF16): vdpbf16ps multiplies 32 bf16 pairs into 16 float32 lanes; each output is summed
+# in float32 and rounded to bf16 to nearest even, as torch does.
+_SOURCE_BF16 = (
+    r"""
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline uint16_t to_bf16(float f) { /* round to nearest even; a NaN stays a NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+#define XT uint16_t
+#define WT uint16_t
+#define YT uint16_t
+#define STEP 32
+#define ACC __m512
+#define ACC_IN __m512bh
+#define ZERO _mm512_setzero_ps()
+#define LOAD(p) ((__m512bh)_mm512_loadu_si512(p))
+#define FMA(acc, x, w) _mm512_dpbf16_ps(acc, x, w)
+#define OUT_T float
+#define REDUCE(acc) _mm512_reduce_add_ps(acc)
+#define STORE(v) to_bf16(v)
+"""
+    + _TILES
+)
+
+# int8 (AVX512-VNNI): vpdpbusd multiplies 64 uint8 x int8 pairs into 16 int32 lanes (exact integer sums;
+# no saturation: |255 * 127 * K| < 2^31 for K < 66,000). Int8Linear (rsd_runtime.models) quantises.
+_SOURCE_INT8 = (
+    r"""
+#include <immintrin.h>
+#include <stdint.h>
+#define XT uint8_t
+#define WT int8_t
+#define YT int32_t
+#define STEP 64
+#define ACC __m512i
+#define ACC_IN __m512i
+#define ZERO _mm512_setzero_si512()
+#define LOAD(p) _mm512_loadu_si512(p)
+#define FMA(acc, x, w) _mm512_dpbusd_epi32(acc, x, w)
+#define OUT_T int32_t
+#define REDUCE(acc) _mm512_reduce_add_epi32(acc)
+#define STORE(v) (v)
+"""
+    + _TILES
+    + r"""
+#include <omp.h>
+/* A whole int8 linear layer over R <= 64 float32 rows x [R, K] into y [R, N]: each row quantised symmetric to
+   [-127, 127] by its own scale and shifted by 128 into uint8 (xq: the caller's buffer [R, K]), the products
+   summed exactly in int32 (acc: the caller's buffer [R, N]), then y = x_scale[r] * w_scale[j] *
+   (acc - w_shift[j]) + bias[j] (w_shift = 128 * sum_k w[j, k]; bias may be NULL). Columns split over
+   `threads` threads of the caller's OpenMP team, as small_gemm_threads. */
+void int8_linear(const float* x, const int8_t* w, const float* w_scale, const int32_t* w_shift, const float* bias,
+                 float* y, uint8_t* xq, int32_t* acc, int64_t R, int64_t K, int64_t N, int64_t threads) {
+    float xs[64];
+    for (int64_t r = 0; r < R; r++) {
+        const float* xr = x + r * K;
+        __m512 m = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K; k += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(xr + k)));
+        float amax = _mm512_reduce_max_ps(m);
+        if (amax < 1e-30f) amax = 1e-30f;
+        xs[r] = amax / 127.0f;
+        const __m512 inv = _mm512_set1_ps(127.0f / amax);
+        for (int64_t k = 0; k < K; k += 16) {
+            __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xr + k), inv)); /* nearest even */
+            q = _mm512_min_epi32(_mm512_max_epi32(q, _mm512_set1_epi32(-127)), _mm512_set1_epi32(127));
+            q = _mm512_add_epi32(q, _mm512_set1_epi32(128));
+            _mm_storeu_si128((__m128i*)(xq + r * K + k), _mm512_cvtepi32_epi8(q));
+        }
+    }
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t n0 = (N * t / nt) & ~3, n1 = t + 1 == nt ? N : (N * (t + 1) / nt) & ~3;
+        small_gemm(xq, w, acc, R, K, N, n0, n1);
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t j = n0; j < n1; j++)
+                y[r * N + j] = xs[r] * w_scale[j] * (float)(acc[r * N + j] - w_shift[j]) + (bias ? bias[j] : 0.0f);
+    }
+}
+"""
+)
 
 
 @dataclass(frozen=True)
@@ -224,15 +303,30 @@ class _Kernel:
     cflags: tuple[str, ...]  # what the compiler needs to emit its instructions
     cpu_flags: tuple[str, ...]  # what /proc/cpuinfo must list
     k_multiple: int  # K must be a multiple of this (one vector of the dtype)
+    x_dtype: torch.dtype  # the input rows' dtype
+    y_dtype: torch.dtype  # the output's
 
 
+# Keyed by the weight's dtype.
 _KERNELS = {
-    torch.float32: _Kernel(_SOURCE_F32 + _THREADS, ("-mavx2", "-mfma"), ("avx2", "fma"), 8),
+    torch.float32: _Kernel(
+        _SOURCE_F32 + _THREADS, ("-mavx2", "-mfma"), ("avx2", "fma"), 8, torch.float32, torch.float32
+    ),
     torch.bfloat16: _Kernel(
         _SOURCE_BF16 + _THREADS,
         ("-mavx512f", "-mavx512bw", "-mavx512bf16"),
         ("avx512f", "avx512bw", "avx512_bf16"),
         32,
+        torch.bfloat16,
+        torch.bfloat16,
+    ),
+    torch.int8: _Kernel(
+        _SOURCE_INT8 + _THREADS,
+        ("-mavx512f", "-mavx512bw", "-mavx512vnni"),
+        ("avx512f", "avx512bw", "avx512_vnni"),
+        64,
+        torch.uint8,
+        torch.int32,
     ),
 }
 
@@ -267,13 +361,17 @@ def _build(kernel: _Kernel) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(so))
     lib.small_gemm_threads.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
     lib.small_gemm_threads.restype = None
+    if hasattr(lib, "int8_linear"):
+        lib.int8_linear.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 4
+        lib.int8_linear.restype = None
     return lib
 
 
 def available(dtype: torch.dtype = torch.float32) -> bool:
-    """Whether the kernel for `dtype` runs on this machine (built on first call; the reason is logged
-    once if not). float32 needs AVX2+FMA, bfloat16 AVX512-BF16; both a C compiler. RSD_SMALL_GEMM=0 in the
-    environment turns both off (their callers keep torch's path: an A/B of the kernels through the services)."""
+    """Whether the kernel for weights of `dtype` runs on this machine (built on first call; the reason is
+    logged once if not). float32 needs AVX2+FMA, bfloat16 AVX512-BF16, int8 AVX512-VNNI; all a C compiler.
+    RSD_SMALL_GEMM=0 in the environment turns them all off (their callers keep torch's path: an A/B of the
+    kernels through the services)."""
     with _lock:
         if dtype not in _libs and dtype not in _failed:
             kernel = _KERNELS.get(dtype)
@@ -302,26 +400,46 @@ def preferred(dtype: torch.dtype) -> bool:
 
 
 def supports(x: Tensor, weight: Tensor) -> bool:
-    """Whether small_gemm takes these operands: CPU tensors of one dtype with a kernel here (float32 or
-    bfloat16), K a multiple of its vector (8 or 32), 1..MAX_ROWS rows."""
-    kernel = _KERNELS.get(x.dtype)
+    """Whether small_gemm takes these operands: CPU tensors with a kernel here (float32 or bfloat16 rows and
+    weights of that dtype; uint8 rows and int8 weights), K a multiple of its vector (8, 32, 64),
+    1..MAX_ROWS rows."""
+    kernel = _KERNELS.get(weight.dtype)
     return (
         kernel is not None
-        and x.dtype == weight.dtype
+        and x.dtype == kernel.x_dtype
         and x.device.type == weight.device.type == "cpu"
         and x.shape[-1] == weight.shape[1]
         and weight.shape[1] % kernel.k_multiple == 0
         and 0 < x.numel() // x.shape[-1] <= MAX_ROWS
-        and available(x.dtype)
+        and available(weight.dtype)
     )
 
 
 def small_gemm(x: Tensor, weight: Tensor, threads: int | None = None) -> Tensor:
-    """x [R, K] @ weight[N, K]^T -> [R, N] in x's dtype (CPU; check `supports` first). `threads` (default
-    torch's thread count) split the N output columns; each thread streams its own part of the weight."""
+    """x [R, K] @ weight[N, K]^T -> [R, N] (CPU; check `supports` first): float32 and bfloat16 in their
+    dtype, uint8 rows times int8 weights as exact int32 sums. `threads` (default torch's thread count)
+    split the N output columns; each thread streams its own part of the weight."""
     x, weight = x.contiguous(), weight.contiguous()
     (rows, k), n = x.shape, weight.shape[0]
-    y = torch.empty(rows, n, dtype=x.dtype)
+    y = torch.empty(rows, n, dtype=_KERNELS[weight.dtype].y_dtype)
     threads = max(1, min(threads or torch.get_num_threads(), n // 256))
-    _libs[x.dtype].small_gemm_threads(x.data_ptr(), weight.data_ptr(), y.data_ptr(), rows, k, n, threads)
+    _libs[weight.dtype].small_gemm_threads(x.data_ptr(), weight.data_ptr(), y.data_ptr(), rows, k, n, threads)
+    return y
+
+
+def int8_linear(x: Tensor, weight: Tensor, w_scale: Tensor, w_shift: Tensor, bias: Tensor | None) -> Tensor:
+    """A whole int8 linear layer (models.Int8Linear's forward) in one call: x [R, K] float32 rows, each
+    quantised by its own scale, times weight [N, K] int8 (scales w_scale [N] float32, w_shift [N] int32 =
+    128 * the row sums) plus bias [N] float32 or None -> [R, N] float32. Needs available(torch.int8),
+    K % 64 == 0 and R <= MAX_ROWS."""
+    x = x.contiguous()
+    (rows, k), n = x.shape, weight.shape[0]
+    y = torch.empty(rows, n)
+    x_uint8, acc = torch.empty(rows, k, dtype=torch.uint8), torch.empty(rows, n, dtype=torch.int32)
+    threads = max(1, min(torch.get_num_threads(), n // 256))
+    _libs[torch.int8].int8_linear(
+        x.data_ptr(), weight.data_ptr(), w_scale.data_ptr(), w_shift.data_ptr(),
+        bias.data_ptr() if bias is not None else None, y.data_ptr(), x_uint8.data_ptr(), acc.data_ptr(),
+        rows, k, n, threads,
+    )  # fmt: skip
     return y

@@ -13,14 +13,16 @@ import asyncio
 import grpc
 import pytest
 import torch
-from torch.ao.nn.quantized.dynamic import Linear as Int8Linear  # its repr: DynamicQuantizedLinear
+from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear  # its repr: DynamicQuantizedLinear
 
 from drafter_service import server as drafter_server
 from drafter_service.config import DrafterConfig
 from rsd.methods import Method
 from rsd.sampling import SamplingParams
+from rsd_runtime import small_gemm
 from rsd_runtime.generator import SpeculativeGenerator
 from rsd_runtime.models import (
+    Int8Linear,
     int8_speedup,
     load_model,
     prune_draft_vocab,
@@ -38,7 +40,8 @@ from verifier_service.config import VerifierConfig
 
 
 def num_int8_layers(model: torch.nn.Module) -> int:
-    return sum(isinstance(m, Int8Linear) for m in model.modules())
+    """int8 layers of either kind: Int8Linear (AVX512-VNNI kernel) or torch's dynamic ones (fbgemm)."""
+    return sum(isinstance(m, (Int8Linear, DynamicLinear)) for m in model.modules())
 
 
 @pytest.fixture(scope="module")
@@ -207,3 +210,33 @@ def test_bench_compares_drafters_in_one_run(tiny_dirs, tmp_path):
     costs_only = json.loads((tmp_path / "c.json").read_text())
     assert costs_only["rows"] == [] and costs_only["complete"]
     assert set(costs_only["forward_costs"]["draft_ms_by_tokens"]) == {"none", "int8", "auto"}
+
+
+def test_int8_takes_the_vnni_kernel_where_it_runs_else_fbgemm(tiny_dirs, monkeypatch):
+    draft = load_model(tiny_dirs[0])
+    quantize_draft(draft, "int8")
+    kinds = {type(m) for m in draft.modules()} & {Int8Linear, DynamicLinear}
+    assert kinds == ({Int8Linear} if small_gemm.available(torch.int8) else {DynamicLinear})
+    monkeypatch.setattr(Int8Linear, "takes", staticmethod(lambda linear: False))  # a CPU without VNNI
+    draft = load_model(tiny_dirs[0])
+    quantize_draft(draft, "int8")
+    assert {type(m) for m in draft.modules()} & {Int8Linear, DynamicLinear} == {DynamicLinear}
+
+
+@pytest.mark.skipif(not small_gemm.available(torch.int8), reason="no AVX512-VNNI CPU")
+def test_int8_linear_is_close_to_float_and_a_row_is_the_same_in_any_batch():
+    """Per-row activation scales: a row's output does not depend on its batch-mates (nor on the chunking
+    of more than MAX_ROWS rows), and stays within int8 rounding of the float layer."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(192, 300)
+    layer = Int8Linear(linear)
+    x = torch.randn(small_gemm.MAX_ROWS + 7, 192)
+    x[3] *= 50  # a row of another scale must not change the others
+    with torch.inference_mode():
+        y = layer(x)
+        ref = linear(x)
+        for r in (0, 3, 5, small_gemm.MAX_ROWS + 2):
+            assert torch.equal(layer(x[r : r + 1])[0], y[r])
+        assert torch.equal(layer(x[None, :5])[0], y[:5])  # any leading shape
+    err = (y - ref).abs().amax(dim=1) / ref.abs().amax(dim=1)
+    assert err.max() < 0.05

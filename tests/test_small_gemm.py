@@ -63,6 +63,22 @@ def test_bf16_rounds_to_nearest_even_and_keeps_nan_and_inf():
     assert y[3].isnan()
 
 
+@pytest.mark.skipif(not sg.available(torch.int8), reason="no AVX512-VNNI CPU")
+@pytest.mark.parametrize("rows", [1, 4, 6, 7, 13, 64])
+def test_int8_sums_exactly_in_any_batch_and_thread_count(rows):
+    """uint8 rows times int8 weights: exact int32 sums (the extremes included), the same per row whatever
+    rows and threads share the call."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randint(0, 256, (rows, 192), dtype=torch.uint8, generator=gen)
+    w = torch.randint(-128, 128, (1001, 192), dtype=torch.int8, generator=gen)
+    x[0], w[0] = 255, -128  # the largest products
+    assert sg.supports(x, w) and not sg.supports(x.char(), w)  # the rows must be uint8
+    y = sg.small_gemm(x, w, threads=1)
+    assert y.dtype == torch.int32 and torch.equal(y.long(), x.long() @ w.long().T)
+    assert torch.equal(sg.small_gemm(x, w, threads=2), y)
+    assert torch.equal(sg.small_gemm(x[-1:], w)[0], y[-1])
+
+
 def test_refuses_what_it_cannot_take():
     w = torch.randn(16, 64)
     assert not sg.supports(torch.randn(2, 64, dtype=torch.float16), w.half())  # no float16 kernel
@@ -70,6 +86,7 @@ def test_refuses_what_it_cannot_take():
     assert not sg.supports(torch.randn(sg.MAX_ROWS + 1, 64), w)
     assert not sg.supports(torch.randn(2, 60), torch.randn(16, 60))  # K not a multiple of 8
     assert not sg.supports(torch.randn(2, 48).bfloat16(), torch.randn(16, 48).bfloat16())  # nor of 32 in bf16
+    assert not sg.supports(torch.zeros(2, 96, dtype=torch.uint8), torch.zeros(16, 96, dtype=torch.int8))  # nor of 64
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
