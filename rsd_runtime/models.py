@@ -233,7 +233,7 @@ def quantize_draft(model: torch.nn.Module, mode: str, dtype: str = "float32") ->
     int8 replaces every nn.Linear (the output layer and a PrunedLMHead's included) with an int8 one, float32
     elsewhere. Where the CPU has AVX512-VNNI (and every layer's input width is a multiple of 64), that is
     Int8Linear: weights int8 per output channel, activations int8 per row, on rsd_runtime.small_gemm's kernel
-    (a Qwen2.5-0.5B draft forward of 1-16 rows: 0.72-0.91x fbgemm's time on Zen 4). Elsewhere it is
+    (a Qwen2.5-0.5B draft forward of 1-16 rows: 0.72-0.93x fbgemm's time on Zen 4). Elsewhere it is
     dynamic quantisation: weights int8 per output channel, activations quantised per call, through
     torch's fbgemm/x86 kernels (torch.ao.quantization.quantize_dynamic: deprecated in torch 2.13 but
     still the fastest int8 CPU path we found: Qwen2.5-0.5B's 896 -> 151,936 output layer, one thread,
@@ -303,7 +303,7 @@ class Int8Linear(torch.nn.Module):
     A row's scale is its own, so its output is the same whatever rows share the forward (fbgemm's dynamic
     quantisation scales a whole call at once), and stays closer to the float layer. One C call a layer
     (small_gemm.int8_linear: quantise, multiply, scale) streams the int8 weights once for all rows: a
-    Qwen2.5-0.5B draft forward of 1-16 rows costs 0.72-0.91x fbgemm's on one or two Zen 4 cores (logits
+    Qwen2.5-0.5B draft forward of 1-16 rows costs 0.72-0.93x fbgemm's on one or two Zen 4 cores (logits
     within 5.1 of fp32's against fbgemm's 17.5). Float32 in and out; more than small_gemm.MAX_ROWS rows (a
     prompt) go through in chunks, each row giving the same values."""
 

@@ -422,7 +422,7 @@ def small_gemm(x: Tensor, weight: Tensor, threads: int | None = None) -> Tensor:
     x, weight = x.contiguous(), weight.contiguous()
     (rows, k), n = x.shape, weight.shape[0]
     y = torch.empty(rows, n, dtype=_KERNELS[weight.dtype].y_dtype)
-    threads = max(1, min(threads or torch.get_num_threads(), n // 256))
+    threads = _threads(threads, n)
     _libs[weight.dtype].small_gemm_threads(x.data_ptr(), weight.data_ptr(), y.data_ptr(), rows, k, n, threads)
     return y
 
@@ -434,12 +434,19 @@ def int8_linear(x: Tensor, weight: Tensor, w_scale: Tensor, w_shift: Tensor, bia
     K % 64 == 0 and R <= MAX_ROWS."""
     x = x.contiguous()
     (rows, k), n = x.shape, weight.shape[0]
+    if not 0 < rows <= MAX_ROWS:  # the C side keeps one scale a row in a MAX_ROWS-long array
+        raise ValueError(f"int8_linear takes 1..{MAX_ROWS} rows, got {rows}: split them")
     y = torch.empty(rows, n)
     x_uint8, acc = torch.empty(rows, k, dtype=torch.uint8), torch.empty(rows, n, dtype=torch.int32)
-    threads = max(1, min(torch.get_num_threads(), n // 256))
+    threads = _threads(None, n)
     _libs[torch.int8].int8_linear(
         x.data_ptr(), weight.data_ptr(), w_scale.data_ptr(), w_shift.data_ptr(),
         bias.data_ptr() if bias is not None else None, y.data_ptr(), x_uint8.data_ptr(), acc.data_ptr(),
         rows, k, n, threads,
     )  # fmt: skip
     return y
+
+
+def _threads(threads: int | None, n: int) -> int:
+    """Threads for N output columns: the caller's count (default torch's), at most one per 256 columns."""
+    return max(1, min(threads or torch.get_num_threads(), n // 256))

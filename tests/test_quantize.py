@@ -240,3 +240,5 @@ def test_int8_linear_is_close_to_float_and_a_row_is_the_same_in_any_batch():
         assert torch.equal(layer(x[None, :5])[0], y[:5])  # any leading shape
     err = (y - ref).abs().amax(dim=1) / ref.abs().amax(dim=1)
     assert err.max() < 0.05
+    with pytest.raises(ValueError, match="rows"):  # the kernel's call takes at most MAX_ROWS: the layer splits
+        small_gemm.int8_linear(x, layer.weight_int8, layer.w_scale, layer.w_shift, layer.bias)
