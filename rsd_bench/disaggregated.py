@@ -338,6 +338,11 @@ def markdown(result: dict) -> str:
         f"{p.get('gateway_cores') or 'any'}; {len(result['prompts'])} stdlib prompts x "
         f"{result['max_new_tokens']} new tokens (the target's EOS stops earlier). CPU: {m['cpu_model']}, flags "
         f"{' '.join(m['cpu_flags'])}; load {m['loadavg_start']} at the start, {result['loadavg_end']} at the end."
+        + (
+            f" Small-row kernels: {', '.join(f'{d} {k}' for d, k in m['small_gemm_kernels'].items() if k)}."
+            if result.get("small_gemm", True) and m.get("small_gemm_kernels")
+            else ""
+        )
         + ("" if result.get("small_gemm", True) else " Small-row kernels off (RSD_SMALL_GEMM=0): torch's F.linear."),
         "",
         "| target alone (its fastest dtype: the baseline) | " + " | ".join(f"T={t}" for t in _ar_temps(result)) + " |",

@@ -8,7 +8,7 @@ and summarised by the minimum over reps (a background load only ever adds time):
 
     f_linear     torch's F.linear everywhere (MKL / oneDNN)
     torch        use_small_batch_linear's `weight @ x.T` (rows padded to a multiple of 8)
-    small_gemm   rsd_runtime.small_gemm: each weight streamed once for all rows (AVX2)
+    small_gemm   rsd_runtime.small_gemm: each weight streamed once for all rows (AVX2, AVX512-BF16, AMX-BF16)
 
 The prompt sits in the KV cache first (--context tokens), so attention is realistic. Also checks that a
 tree's logits stay within float rounding of the one-token path (the max difference is reported).
@@ -116,7 +116,8 @@ def markdown(result: dict) -> str:
         "",
         f"Placement: cores {result['placement']['cores']}, {result['placement']['threads']} thread(s); "
         f"{result['context_tokens']} tokens in the cache; min of {result['reps']} interleaved reps.",
-        f"CPU: {m.get('cpu_model', '?')}; flags: {' '.join(m.get('cpu_flags', []))}.",
+        f"CPU: {m.get('cpu_model', '?')}; flags: {' '.join(m.get('cpu_flags', []))}"
+        + (f"; small_gemm is {m['small_gemm_kernels'].get(result['dtype'])}." if m.get("small_gemm_kernels") else "."),
         "",
         "| tokens | " + " | ".join(f"{k} ms (x its 1 token)" for k in kernels) + " |",
         "| --- | " + " | ".join("---" for _ in kernels) + " |",

@@ -59,9 +59,10 @@ def load_model(
 
     small_batch_rows: linear layers over at most this many rows take use_small_batch_linear's path (on a
     CPU with AVX2, rsd_runtime.small_gemm: a 6-token forward of a 1.5B target costs 1.4x one token instead
-    of 3.2x; in bfloat16 on a CPU with AVX512-BF16 every forward of up to 64 tokens runs faster than
-    through oneDNN). None picks per device: 64 on a CPU for float32, and for bfloat16 where that kernel
-    runs and the CPU has no AMX (small_gemm.preferred); 0 (torch's F.linear) elsewhere.
+    of 3.2x; in bfloat16 on a CPU with AMX or AVX512-BF16 every forward of up to 64 tokens runs faster than
+    through oneDNN: on AMX a 16-token forward costs 1.23-1.29x one token, and one token half oneDNN's time).
+    None picks per device: 64 on a CPU for float32, and for bfloat16 where a bf16 kernel runs
+    (small_gemm.preferred); 0 (torch's F.linear) elsewhere.
 
     attn_implementation "auto" takes sdpa where the architecture has it, else eager (Gemma2, GPT-Neo,
     Bloom, MPT, XGLM have no sdpa path); the choice is logged and kept in model.config._attn_implementation.
@@ -112,7 +113,7 @@ def use_small_batch_linear(model: torch.nn.Module, max_rows: int = 64, kernel: s
     Returns the number of layers changed.
 
     kernel "auto" computes float32 and bfloat16 rows with rsd_runtime.small_gemm where the CPU runs it
-    (AVX2+FMA, AVX512-BF16; and a compiler): it streams each weight once for all rows and gives a row the
+    (AVX2+FMA; AMX-BF16 or AVX512-BF16; and a compiler): it streams each weight once for all rows and gives a row the
     same value in any batch; "torch" keeps the product above. Without the kernel, 16-bit inputs of up to
     8 rows take F.linear (oneDNN's bf16 F.linear beat the product the other way round there: Qwen2.5-0.5B
     output layer, 3 rows: 18 ms vs 28 ms; whole 1.5B forward, 1 row: 174 vs 218 ms).
@@ -161,7 +162,7 @@ def set_linear_kernel(model: torch.nn.Module, kernel: str, max_rows: int = 64) -
 
         f_linear     torch's F.linear for any row count (max_rows 0)
         torch        weight @ x.T (use_small_batch_linear's kernel "torch")
-        small_gemm   rsd_runtime.small_gemm where it takes the rows (float32: AVX2; bfloat16: AVX512-BF16),
+        small_gemm   rsd_runtime.small_gemm where it takes the rows (float32: AVX2; bfloat16: AMX or AVX512-BF16),
                      else use_small_batch_linear's kernel "auto" fallback
 
     All three agree up to float rounding. Returns the number of layers switched. A model with no patched

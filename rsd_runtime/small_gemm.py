@@ -9,6 +9,7 @@ weight rows ahead, spread over all the groups: the next weights stream in from m
 rows are multiplied.
 
     y = small_gemm(x, weight)         # x [R, K], weight [N, K], both float32 or both bfloat16
+    kernel_name(torch.bfloat16)       # which kernel a dtype runs on here: "amx-bf16", "avx512-bf16", ...
 
 - float32 (AVX2 + FMA): pairs of weight rows, 12 accumulators (13 rows of the 1.5B target's
   up-projection on one Zen 3 core: 12.5 -> 8.5 ms; a whole 13-token forward 1,517 -> 1,289 ms).
@@ -16,9 +17,12 @@ rows are multiplied.
   to bfloat16 to nearest even, as torch does): four weight rows at a time, 24 accumulators. oneDNN's
   bf16 F.linear reads weights at ~8 GB/s on one Zen 4 core, where a plain stream reads 27 GB/s; this
   kernel reads at ~20 GB/s for 1-6 rows (the 1.5B up-projection: 1 row 3.7 -> 1.4 ms, 13 rows 4.4 -> 2.5).
+- bfloat16 on AMX (preferred where the CPU has it): the tile unit multiplies 16 weight rows by up to 16
+  input rows in one instruction, so every row count streams the weight at the memory's pace (a whole 1.5B
+  forward on two Xeon cores: 1 token 330 -> 172 ms against oneDNN, 16 tokens 347 -> 222 ms).
 
-Exactness: a row's result is the same whatever rows share its call (each row has its own accumulators,
-summed over K in the same order), so a tree's node gets bit-for-bit the value it would get alone; against
+Exactness: a row's result is the same whatever rows share its call (each row has its own accumulators or
+tile lanes, summed over K in the same order), so a tree's node gets bit-for-bit the value it would get alone; against
 F.linear it differs by float rounding only (tests/test_small_gemm.py).
 
 Each kernel is C compiled at first use with the system compiler (`cc`) into ~/.cache/rsd/kernels and
@@ -125,10 +129,10 @@ void small_gemm(const float* x, const float* w, float* y, int64_t R, int64_t K, 
 # one thread: 229 against 204 ms, torch's idle workers spinning on the cores its threads needed).
 _THREADS = r"""
 #include <omp.h>
-void small_gemm_threads(const void* x, const void* w, void* y, int64_t R, int64_t K, int64_t N, int64_t threads) {
+int small_gemm_threads(const void* x, const void* w, void* y, int64_t R, int64_t K, int64_t N, int64_t threads) {
     if (threads <= 1) {
         small_gemm(x, w, y, R, K, N, 0, N);
-        return;
+        return 0;
     }
 #pragma omp parallel num_threads(threads)
     {
@@ -136,6 +140,7 @@ void small_gemm_threads(const void* x, const void* w, void* y, int64_t R, int64_
         const int64_t n0 = (N * t / nt) & ~3, n1 = t + 1 == nt ? N : (N * (t + 1) / nt) & ~3; /* even starts */
         small_gemm(x, w, y, R, K, N, n0, n1);
     }
+    return 0;
 }
 """
 
@@ -238,6 +243,122 @@ static inline uint16_t to_bf16(float f) { /* round to nearest even; a NaN stays 
     + _TILES
 )
 
+# bfloat16 on AMX (Intel Xeon since Sapphire Rapids): the tile unit multiplies 16 weight rows x 32 k by 32 k x
+# up to 16 input rows in one instruction (tdpbf16ps), so 16 rows cost the multiply time of one and every
+# row count streams the weight at the memory's pace: on a 2-core Xeon 11-13 GB/s on one core and 18-24 on
+# two for 1-16 rows, where the AVX-512 kernel reads 9 / 16 GB/s at one row and 3-6 / 6-11 at 13-16, and
+# oneDNN's F.linear (AMX too, but reordering the weight each call) 5-7 / 9-11. The product is taken
+# transposed, y^T [N, R] = w [N, K] . x^T: the weight is the tile's left operand, loaded as it lies (16
+# rows, stride K), and the input rows are packed once a call as pairs of k (the layout the right operand
+# wants). Each output element is one tile lane, summed over k in a fixed order, so a row's value does not
+# depend on the rows or threads sharing its call; it is rounded to bf16 to nearest even, as above. Output
+# columns past the last multiple of 16 take the AVX-512 code above (the same columns every call).
+_SOURCE_AMX = r"""
+#include <omp.h>
+#include <stdlib.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* Linux hands out the tile registers' state only on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA):
+   0 when granted, for the whole process. */
+int amx_init(void) { return (int)syscall(SYS_arch_prctl, 0x1023, 18); }
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+#define AMX_PREFETCH_BLOCKS 1 /* prefetch the weight block this many blocks of 16 rows ahead, into L2 */
+
+/* Output columns [n0, n1) (multiples of 16) of y [R, N] from xp, the input packed as k pairs [K / 2][R]
+   (uint32: two bf16). Tiles: 0-3 the sums of row groups of 16 (output columns x input rows), 4 the weight
+   block (16 rows x 32 k), 5 a full group's input (16 k pairs x 16 rows), 6 the last group's. */
+static void amx_columns(const uint32_t* xp, const uint16_t* w, uint16_t* y, int64_t R, int64_t K, int64_t N,
+                        int64_t n0, int64_t n1) {
+    const int64_t groups = (R + 15) / 16, last = R - 16 * (groups - 1), stride = R * 4;
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int g = 0; g < 4; g++) cfg.rows[g] = 16, cfg.colsb[g] = (g < groups - 1 ? 16 : last) * 4;
+    cfg.rows[4] = cfg.rows[5] = cfg.rows[6] = 16;
+    cfg.colsb[4] = cfg.colsb[5] = 64;
+    cfg.colsb[6] = last * 4;
+    _tile_loadconfig(&cfg);
+    float c[16][16];
+    for (int64_t j = n0; j < n1; j += 16) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        const uint16_t* wj = w + j * K;
+        const int64_t ahead = 16 * AMX_PREFETCH_BLOCKS;
+        const char* pf = j + ahead + 16 <= n1 ? (const char*)(wj + ahead * K) : 0;
+        for (int64_t k = 0; k < K; k += 32) {
+            if (pf)
+                for (int q = 0; q < 16; q++) _mm_prefetch(pf + (q * K + k) * 2, _MM_HINT_T1);
+            _tile_loadd(4, wj + k, K * 2);
+            const char* xk = (const char*)(xp + k / 2 * R);
+            switch (groups) { /* tile numbers are immediates */
+                case 1: _tile_loadd(6, xk, stride); _tile_dpbf16ps(0, 4, 6); break;
+                case 2:
+                    _tile_loadd(5, xk, stride); _tile_dpbf16ps(0, 4, 5);
+                    _tile_loadd(6, xk + 64, stride); _tile_dpbf16ps(1, 4, 6); break;
+                case 3:
+                    _tile_loadd(5, xk, stride); _tile_dpbf16ps(0, 4, 5);
+                    _tile_loadd(5, xk + 64, stride); _tile_dpbf16ps(1, 4, 5);
+                    _tile_loadd(6, xk + 128, stride); _tile_dpbf16ps(2, 4, 6); break;
+                default:
+                    _tile_loadd(5, xk, stride); _tile_dpbf16ps(0, 4, 5);
+                    _tile_loadd(5, xk + 64, stride); _tile_dpbf16ps(1, 4, 5);
+                    _tile_loadd(5, xk + 128, stride); _tile_dpbf16ps(2, 4, 5);
+                    _tile_loadd(6, xk + 192, stride); _tile_dpbf16ps(3, 4, 6);
+            }
+        }
+        for (int g = 0; g < groups; g++) {
+            switch (g) {
+                case 0: _tile_stored(0, c, 64); break;
+                case 1: _tile_stored(1, c, 64); break;
+                case 2: _tile_stored(2, c, 64); break;
+                default: _tile_stored(3, c, 64);
+            }
+            const int64_t rows = g < groups - 1 ? 16 : last;
+            for (int64_t m = 0; m < rows; m++)
+                for (int n = 0; n < 16; n++) y[(16 * g + m) * N + j + n] = to_bf16(c[n][m]);
+        }
+    }
+    _tile_release();
+}
+
+/* y [R, N] = x [R, K] . w [N, K]^T, R <= 64, K % 32 == 0; -1 if the packing buffer cannot be had. */
+int small_gemm_threads(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t R, int64_t K, int64_t N,
+                       int64_t threads) {
+    static __thread uint32_t* xp;
+    static __thread int64_t capacity;
+    if (R * K / 2 > capacity) {
+        free(xp);
+        capacity = R * K / 2;
+        xp = malloc(capacity * 4);
+        if (!xp) {
+            capacity = 0;
+            return -1;
+        }
+    }
+    uint32_t* packed = xp; /* the caller's thread's buffer: xp itself names each thread's own */
+    const uint32_t* x32 = (const uint32_t*)x;
+    for (int64_t m = 0; m < R; m++)
+        for (int64_t p = 0; p < K / 2; p++) packed[p * R + m] = x32[m * (K / 2) + p];
+    const int64_t blocks = N / 16;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        amx_columns(packed, w, y, R, K, N, 16 * (blocks * t / nt), 16 * (blocks * (t + 1) / nt));
+        if (t == nt - 1 && 16 * blocks < N) small_gemm(x, w, y, R, K, N, 16 * blocks, N);
+    }
+    return 0;
+}
+"""
+
 # int8 (AVX512-VNNI): vpdpbusd multiplies 64 uint8 x int8 pairs into 16 int32 lanes (exact integer sums;
 # no saturation: |255 * 127 * K| < 2^31 for K < 66,000). Int8Linear (rsd_runtime.models) quantises.
 _SOURCE_INT8 = (
@@ -299,6 +420,7 @@ void int8_linear(const float* x, const int8_t* w, const float* w_scale, const in
 
 @dataclass(frozen=True)
 class _Kernel:
+    name: str
     source: str
     cflags: tuple[str, ...]  # what the compiler needs to emit its instructions
     cpu_flags: tuple[str, ...]  # what /proc/cpuinfo must list
@@ -307,31 +429,48 @@ class _Kernel:
     y_dtype: torch.dtype  # the output's
 
 
-# Keyed by the weight's dtype.
-_KERNELS = {
-    torch.float32: _Kernel(
-        _SOURCE_F32 + _THREADS, ("-mavx2", "-mfma"), ("avx2", "fma"), 8, torch.float32, torch.float32
+_AVX512 = ("-mavx512f", "-mavx512bw")
+# Keyed by the weight's dtype: the kernels for it, preferred first; the first this machine runs is used.
+_KERNELS: dict[torch.dtype, tuple[_Kernel, ...]] = {
+    torch.float32: (
+        _Kernel("avx2", _SOURCE_F32 + _THREADS, ("-mavx2", "-mfma"), ("avx2", "fma"), 8, torch.float32, torch.float32),
     ),
-    torch.bfloat16: _Kernel(
-        _SOURCE_BF16 + _THREADS,
-        ("-mavx512f", "-mavx512bw", "-mavx512bf16"),
-        ("avx512f", "avx512bw", "avx512_bf16"),
-        32,
-        torch.bfloat16,
-        torch.bfloat16,
+    torch.bfloat16: (
+        _Kernel(
+            "amx-bf16",
+            _SOURCE_BF16 + _SOURCE_AMX,
+            (*_AVX512, "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
+            ("avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16"),
+            32,
+            torch.bfloat16,
+            torch.bfloat16,
+        ),
+        _Kernel(
+            "avx512-bf16",
+            _SOURCE_BF16 + _THREADS,
+            (*_AVX512, "-mavx512bf16"),
+            ("avx512f", "avx512bw", "avx512_bf16"),
+            32,
+            torch.bfloat16,
+            torch.bfloat16,
+        ),
     ),
-    torch.int8: _Kernel(
-        _SOURCE_INT8 + _THREADS,
-        ("-mavx512f", "-mavx512bw", "-mavx512vnni"),
-        ("avx512f", "avx512bw", "avx512_vnni"),
-        64,
-        torch.uint8,
-        torch.int32,
+    torch.int8: (
+        _Kernel(
+            "avx512-vnni",
+            _SOURCE_INT8 + _THREADS,
+            (*_AVX512, "-mavx512vnni"),
+            ("avx512f", "avx512bw", "avx512_vnni"),
+            64,
+            torch.uint8,
+            torch.int32,
+        ),
     ),
 }
 
 _lock = threading.Lock()
 _libs: dict[torch.dtype, ctypes.CDLL] = {}
+_names: dict[torch.dtype, str] = {}  # the kernel each dtype runs on
 _failed: dict[torch.dtype, str] = {}
 
 
@@ -360,7 +499,9 @@ def _build(kernel: _Kernel) -> ctypes.CDLL:
             os.replace(out, so)  # atomic: another process may be building the same file
     lib = ctypes.CDLL(str(so))
     lib.small_gemm_threads.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
-    lib.small_gemm_threads.restype = None
+    lib.small_gemm_threads.restype = ctypes.c_int
+    if hasattr(lib, "amx_init") and lib.amx_init() != 0:
+        raise OSError("Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)")
     if hasattr(lib, "int8_linear"):
         lib.int8_linear.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 4
         lib.int8_linear.restype = None
@@ -368,42 +509,55 @@ def _build(kernel: _Kernel) -> ctypes.CDLL:
 
 
 def available(dtype: torch.dtype = torch.float32) -> bool:
-    """Whether the kernel for weights of `dtype` runs on this machine (built on first call; the reason is
-    logged once if not). float32 needs AVX2+FMA, bfloat16 AVX512-BF16, int8 AVX512-VNNI; all a C compiler.
-    RSD_SMALL_GEMM=0 in the environment turns them all off (their callers keep torch's path: an A/B of the
-    kernels through the services)."""
+    """Whether a kernel for weights of `dtype` runs on this machine (built on first call; the reason is logged
+    once if not). float32 needs AVX2+FMA, bfloat16 AMX-BF16 or else AVX512-BF16, int8 AVX512-VNNI; all a C
+    compiler. RSD_SMALL_GEMM in the environment: "0" turns them all off (their callers keep torch's path: an
+    A/B of the kernels through the services), "no-amx" skips the AMX kernel (an A/B of the two bf16 ones)."""
     with _lock:
         if dtype not in _libs and dtype not in _failed:
-            kernel = _KERNELS.get(dtype)
-            missing = [f for f in kernel.cpu_flags if f not in _cpu_flags()] if kernel else []
-            if os.environ.get("RSD_SMALL_GEMM", "1") == "0":
-                _failed[dtype] = "RSD_SMALL_GEMM=0"
-            elif kernel is None:
-                _failed[dtype] = f"no kernel for {dtype}"
-            elif missing:
-                _failed[dtype] = f"the CPU lacks {', '.join(missing)}"
+            setting = os.environ.get("RSD_SMALL_GEMM", "1")
+            reasons = []
+            for kernel in _KERNELS.get(dtype, ()):
+                missing = [f for f in kernel.cpu_flags if f not in _cpu_flags()]
+                if setting == "0":
+                    reasons.append("RSD_SMALL_GEMM=0")
+                    break
+                if setting == "no-amx" and kernel.name.startswith("amx"):
+                    reasons.append(f"{kernel.name}: RSD_SMALL_GEMM=no-amx")
+                elif missing:
+                    reasons.append(f"{kernel.name}: the CPU lacks {', '.join(missing)}")
+                else:
+                    try:
+                        _libs[dtype], _names[dtype] = _build(kernel), kernel.name
+                        break
+                    except (OSError, subprocess.SubprocessError) as e:
+                        reasons.append(f"{kernel.name}: cannot build or start it: {getattr(e, 'stderr', '') or e}")
+            if dtype in _libs:
+                skipped = f" ({'; '.join(reasons)})" if reasons else ""
+                log.info("small_gemm kernel for %s: %s%s", dtype, _names[dtype], skipped)
             else:
-                try:
-                    _libs[dtype] = _build(kernel)
-                except (OSError, subprocess.SubprocessError) as e:
-                    _failed[dtype] = f"cannot build it: {getattr(e, 'stderr', '') or e}"
-            if dtype in _failed:
+                _failed[dtype] = "; ".join(reasons) or f"no kernel for {dtype}"
                 log.info("small_gemm kernel for %s off: %s", dtype, _failed[dtype])
         return dtype in _libs
 
 
+def kernel_name(dtype: torch.dtype) -> str | None:
+    """The kernel weights of `dtype` run on here ("amx-bf16", "avx512-bf16", "avx2", "avx512-vnni"), or None."""
+    return _names.get(dtype) if available(dtype) else None
+
+
 def preferred(dtype: torch.dtype) -> bool:
     """Whether models of this dtype should compute their small-row linear layers here by default (load_model):
-    where the kernel runs, except bfloat16 on a CPU with AMX, whose matrix tiles make oneDNN's F.linear of
-    16 rows cost about one row (Xeon, 1.5B target: 13 tokens 1.16x one token)."""
-    return available(dtype) and not (dtype == torch.bfloat16 and "amx_bf16" in _cpu_flags())
+    wherever a kernel runs. Each beat F.linear at every row count it takes where measured (bf16: oneDNN
+    reads the weights at about half the memory's pace on Zen 4 and on AMX Xeons alike)."""
+    return available(dtype)
 
 
 def supports(x: Tensor, weight: Tensor) -> bool:
     """Whether small_gemm takes these operands: CPU tensors with a kernel here (float32 or bfloat16 rows and
     weights of that dtype; uint8 rows and int8 weights), K a multiple of its vector (8, 32, 64),
     1..MAX_ROWS rows."""
-    kernel = _KERNELS.get(weight.dtype)
+    kernel = _KERNELS.get(weight.dtype, (None,))[0]  # a dtype's kernels share their operand rules
     return (
         kernel is not None
         and x.dtype == kernel.x_dtype
@@ -421,9 +575,10 @@ def small_gemm(x: Tensor, weight: Tensor, threads: int | None = None) -> Tensor:
     split the N output columns; each thread streams its own part of the weight."""
     x, weight = x.contiguous(), weight.contiguous()
     (rows, k), n = x.shape, weight.shape[0]
-    y = torch.empty(rows, n, dtype=_KERNELS[weight.dtype].y_dtype)
+    y = torch.empty(rows, n, dtype=_KERNELS[weight.dtype][0].y_dtype)
     threads = _threads(threads, n)
-    _libs[weight.dtype].small_gemm_threads(x.data_ptr(), weight.data_ptr(), y.data_ptr(), rows, k, n, threads)
+    if _libs[weight.dtype].small_gemm_threads(x.data_ptr(), weight.data_ptr(), y.data_ptr(), rows, k, n, threads):
+        raise MemoryError(f"small_gemm: no memory to pack {rows} x {k} input rows")
     return y
 
 

@@ -1,5 +1,6 @@
-"""The small-row CPU kernels (float32 AVX2, bfloat16 AVX512-BF16): float rounding away from F.linear, a row's
-value independent of its batch and of the thread count, and the model path that uses them."""
+"""The small-row CPU kernels (float32 AVX2; bfloat16 on AMX or AVX512-BF16): float rounding away from F.linear,
+a row's value independent of its batch and of the thread count, and the model path that uses them. Every
+kernel this CPU runs is tested, not only the one a dtype picks (on an AMX Xeon both bf16 kernels)."""
 
 import pytest
 import torch
@@ -16,6 +17,25 @@ DTYPES = [
 K = {torch.float32: 64, torch.bfloat16: 96}  # multiples of each kernel's vector (8 / 32), more than one vector
 
 
+def _runs_here(kernel) -> bool:
+    return sg.available(kernel.x_dtype) and all(f in sg._cpu_flags() for f in kernel.cpu_flags)
+
+
+KERNELS = [
+    pytest.param(kernel, id=kernel.name, marks=pytest.mark.skipif(not _runs_here(kernel), reason="not on this CPU"))
+    for dtype in (torch.float32, torch.bfloat16)
+    for kernel in sg._KERNELS[dtype]
+]
+
+
+@pytest.fixture
+def kernel(request, monkeypatch):
+    """small_gemm on the given kernel of its dtype (built here if the dtype picked another one)."""
+    kernel = request.param
+    monkeypatch.setitem(sg._libs, kernel.x_dtype, sg._build(kernel))
+    return kernel
+
+
 def _close(y, ref, dtype):
     if dtype == torch.float32:
         torch.testing.assert_close(y, ref.float(), rtol=1e-5, atol=1e-5)
@@ -24,10 +44,12 @@ def _close(y, ref, dtype):
         assert (y.float() - exact).abs().le(exact.abs() * 2**-8 + 1e-6).all()
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 12, 13, 16, 64])
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 12, 13, 16, 17, 40, 64])
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 7, 256, 1000])
-def test_matches_f_linear_to_rounding(dtype, rows, n):
+def test_matches_f_linear_to_rounding(kernel, rows, n):
+    """Row counts across the AMX kernel's groups of 16 rows, output columns past its blocks of 16."""
+    dtype = kernel.x_dtype
     gen = torch.Generator().manual_seed(rows * 1000 + n)
     x, w = torch.randn(rows, K[dtype], generator=gen), torch.randn(n, K[dtype], generator=gen)
     x, w = x.to(dtype), w.to(dtype)
@@ -37,21 +59,22 @@ def test_matches_f_linear_to_rounding(dtype, rows, n):
     _close(y, F.linear(x.double(), w.double()), dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_a_row_is_the_same_in_any_batch_and_any_thread_count(dtype):
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(13, 2 * K[dtype], generator=gen).to(dtype)
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
+@pytest.mark.parametrize("rows", [13, 37])
+def test_a_row_is_the_same_in_any_batch_and_any_thread_count(kernel, rows):
+    dtype = kernel.x_dtype
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 2 * K[dtype], generator=gen).to(dtype)
     w = torch.randn(1030, 2 * K[dtype], generator=gen).to(dtype)
     whole = sg.small_gemm(x, w, threads=1)
     assert torch.equal(whole, sg.small_gemm(x, w, threads=2))
-    for r in range(13):
+    for r in range(rows):
         assert torch.equal(whole[r], sg.small_gemm(x[r : r + 1], w, threads=1)[0])
         assert torch.equal(whole[r], sg.small_gemm(x[r:], w, threads=3)[0])
 
 
-def test_bf16_rounds_to_nearest_even_and_keeps_nan_and_inf():
-    if not sg.available(torch.bfloat16):
-        pytest.skip("no AVX512-BF16 CPU")
+@pytest.mark.parametrize("kernel", [k for k in KERNELS if k.values[0].x_dtype == torch.bfloat16], indirect=True)
+def test_bf16_rounds_to_nearest_even_and_keeps_nan_and_inf(kernel):
     one = torch.zeros(1, 32, dtype=torch.bfloat16)
     one[0, 0] = 1.0
     # w[:, 0] holds values whose float32 sums sit exactly between two bf16 numbers, or carry inf/nan
@@ -92,7 +115,7 @@ def test_refuses_what_it_cannot_take():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_model_uses_the_kernel_and_keeps_its_logits(dtype, tmp_path, monkeypatch):
     """load_model puts a CPU model of either dtype on the kernel by default, and its logits stay within
-    rounding of F.linear's (bfloat16 where small_gemm.preferred: not on an AMX CPU, where oneDNN wins)."""
+    rounding of F.linear's."""
     if not sg.preferred(dtype):
         pytest.skip(f"load_model keeps F.linear for {dtype} on this CPU")
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -132,3 +155,20 @@ def test_rsd_small_gemm_0_turns_the_kernels_off():
     env = {**os.environ, "RSD_SMALL_GEMM": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_rsd_small_gemm_no_amx_keeps_the_avx512_bf16_kernel():
+    """The bf16 A/B switch: RSD_SMALL_GEMM=no-amx skips the AMX kernel (which an AMX CPU picks by default)."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import torch; from rsd_runtime import small_gemm as sg; print(sg.kernel_name(torch.bfloat16))"
+    names = {}
+    for setting in ("1", "no-amx"):
+        env = {**os.environ, "RSD_SMALL_GEMM": setting}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        names[setting] = out.stdout.strip()
+    flags = sg._cpu_flags()
+    avx512 = "avx512-bf16" if "avx512_bf16" in flags else "None"
+    assert names == {"1": "amx-bf16" if "amx_bf16" in flags and "amx_tile" in flags else avx512, "no-amx": avx512}

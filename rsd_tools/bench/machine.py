@@ -28,6 +28,8 @@ def machine_info() -> dict:
     import torch
     import transformers
 
+    from rsd_runtime import small_gemm
+
     cpu = platform.processor() or "unknown"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -43,6 +45,11 @@ def machine_info() -> dict:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "cpu_flags": _cpu_flags(),
+        # the small-row linear kernel per weight dtype on this machine (None: torch's F.linear)
+        "small_gemm_kernels": {
+            str(dtype).removeprefix("torch."): small_gemm.kernel_name(dtype)
+            for dtype in (torch.float32, torch.bfloat16, torch.int8)
+        },
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
