@@ -61,8 +61,8 @@ def load_model(
     CPU with AVX2, rsd_runtime.small_gemm: a 6-token forward of a 1.5B target costs 1.4x one token instead
     of 3.2x; in bfloat16 on a CPU with AMX or AVX512-BF16 every forward of up to 64 tokens runs faster than
     through oneDNN: on AMX a 16-token forward costs 1.23-1.29x one token, and one token half oneDNN's time).
-    None picks per device: 64 on a CPU for float32, and for bfloat16 where a bf16 kernel runs
-    (small_gemm.preferred); 0 (torch's F.linear) elsewhere.
+    None picks per device: on a CPU small_gemm.preferred_rows (64 where a kernel runs, any number on AMX,
+    where a prompt goes through it in calls of 64 rows), at least 64 for float32; 0 (F.linear) elsewhere.
 
     attn_implementation "auto" takes sdpa where the architecture has it, else eager (Gemma2, GPT-Neo,
     Bloom, MPT, XGLM have no sdpa path); the choice is logged and kept in model.config._attn_implementation.
@@ -81,10 +81,10 @@ def load_model(
                 raise
             model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager", **kwargs)
     model.to(torch.device(device)).eval().requires_grad_(False)
-    if small_batch_rows is None:
-        on_cpu = torch.device(device).type == "cpu"
-        kernel = model.dtype == torch.float32 or small_gemm.preferred(model.dtype)
-        small_batch_rows = 64 if on_cpu and kernel else 0
+    if small_batch_rows is None and torch.device(device).type != "cpu":
+        small_batch_rows = 0
+    elif small_batch_rows is None:  # float32 takes the small-row path even without its kernel (weight @ x.T)
+        small_batch_rows = max(small_gemm.preferred_rows(model.dtype), 64 if model.dtype == torch.float32 else 0)
     if small_batch_rows:
         use_small_batch_linear(model, small_batch_rows)
     log.info(
@@ -94,7 +94,8 @@ def load_model(
         model.config._attn_implementation,
         model.dtype,
         device,
-        f"<= {small_batch_rows} rows ({'small_gemm' if small_gemm.available(model.dtype) else 'torch'})"
+        f"<= {small_batch_rows if small_batch_rows < small_gemm.ANY_ROWS else 'any'} rows "
+        f"({small_gemm.kernel_name(model.dtype) or 'torch'})"
         if small_batch_rows
         else "off",
     )
@@ -126,10 +127,15 @@ def use_small_batch_linear(model: torch.nn.Module, max_rows: int = 64, kernel: s
         n = rows.shape[0]
         if n > self.small_batch_rows:
             return torch.nn.functional.linear(x, self.weight, self.bias)
-        if self.small_gemm and small_gemm.supports(rows, self.weight):
-            out = small_gemm.small_gemm(rows, self.weight)  # [R, out]: each weight read once for all rows
+        if self.small_gemm and small_gemm.supports(rows[: small_gemm.MAX_ROWS], self.weight):
+            if n <= small_gemm.MAX_ROWS:
+                out = small_gemm.small_gemm(rows, self.weight)  # [R, out]: each weight read once for all rows
+            else:  # a prompt, where small_batch_rows allows it (small_gemm.preferred_rows): calls of MAX_ROWS
+                out = torch.cat([small_gemm.small_gemm(c, self.weight) for c in rows.split(small_gemm.MAX_ROWS)])
             out = out + self.bias if self.bias is not None else out
             return out.reshape(*x.shape[:-1], out.shape[-1])
+        if n > small_gemm.MAX_ROWS:
+            return torch.nn.functional.linear(x, self.weight, self.bias)
         if n <= 8 and x.dtype != torch.float32:
             return torch.nn.functional.linear(x, self.weight, self.bias)
         if n > 4 and n % 8:  # BLAS is much faster on a multiple of 8 columns: 13 rows cost more than 16
@@ -325,10 +331,15 @@ class Int8Linear(torch.nn.Module):
         return linear.weight.device.type == "cpu" and linear.in_features % 64 == 0 and small_gemm.available(torch.int8)
 
     def forward(self, x: Tensor) -> Tensor:
-        rows = x.reshape(-1, self.in_features).float()  # [R, K]
+        rows = x.reshape(-1, self.in_features)  # [R, K]
+        rows = rows if rows.dtype == torch.float32 else rows.float()
         args = (self.weight_int8, self.w_scale, self.w_shift, self.bias)
-        out = torch.cat([small_gemm.int8_linear(c, *args) for c in rows.split(small_gemm.MAX_ROWS)])  # [R, N]
-        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        if rows.shape[0] <= small_gemm.MAX_ROWS:  # a draft forward: one call (a layer costs ~10 us of Python)
+            out = small_gemm.int8_linear(rows, *args)  # [R, N]
+        else:
+            out = torch.cat([small_gemm.int8_linear(c, *args) for c in rows.split(small_gemm.MAX_ROWS)])
+        out = out.view(*x.shape[:-1], self.out_features)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

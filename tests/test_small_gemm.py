@@ -116,7 +116,7 @@ def test_refuses_what_it_cannot_take():
 def test_a_model_uses_the_kernel_and_keeps_its_logits(dtype, tmp_path, monkeypatch):
     """load_model puts a CPU model of either dtype on the kernel by default, and its logits stay within
     rounding of F.linear's."""
-    if not sg.preferred(dtype):
+    if not sg.preferred_rows(dtype):
         pytest.skip(f"load_model keeps F.linear for {dtype} on this CPU")
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -129,7 +129,7 @@ def test_a_model_uses_the_kernel_and_keeps_its_logits(dtype, tmp_path, monkeypat
     LlamaForCausalLM(config).save_pretrained(tmp_path)
     model = load_model(tmp_path, "cpu", {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype])
     layer = model.model.layers[0].mlp.up_proj
-    assert layer.small_batch_rows == 64 and layer.small_gemm
+    assert layer.small_batch_rows == sg.preferred_rows(dtype) >= 64 and layer.small_gemm
     calls = []
     original = sg.small_gemm
     monkeypatch.setattr(sg, "small_gemm", lambda *a, **k: calls.append(1) or original(*a, **k))
@@ -137,11 +137,18 @@ def test_a_model_uses_the_kernel_and_keeps_its_logits(dtype, tmp_path, monkeypat
     with torch.no_grad():
         kernel_logits = model(ids).logits
     assert calls  # the kernel ran
+    prompt = torch.randint(0, 128, (1, 150), generator=torch.Generator().manual_seed(2))
+    calls.clear()
+    with torch.no_grad():
+        prompt_logits = model(prompt).logits
+    chunks = len(calls)  # a prompt above 64 rows: calls of 64 rows where preferred_rows allows (AMX)
+    assert chunks == (0 if sg.preferred_rows(dtype) == sg.MAX_ROWS else 3 * 7 * 2 + 3)  # 7 layers a block, head
     set_linear_kernel(model, "f_linear")
     with torch.no_grad():
-        blas_logits = model(ids).logits
+        blas_logits, blas_prompt_logits = model(ids).logits, model(prompt).logits
     tol = 1e-4 if dtype == torch.float32 else 0.1
     torch.testing.assert_close(kernel_logits.float(), blas_logits.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(prompt_logits.float(), blas_prompt_logits.float(), rtol=tol, atol=tol)
 
 
 def test_rsd_small_gemm_0_turns_the_kernels_off():
