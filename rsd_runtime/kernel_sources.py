@@ -193,6 +193,23 @@ static inline uint16_t to_bf16(float f) { /* round to nearest even; a NaN stays 
     + TILES
 )
 
+# A kernel's scratch (packed or quantised input rows): one buffer per calling thread, grown as needed and
+# kept, so a call allocates nothing. Read it into a local before an OpenMP region: inside one, the
+# thread-local variable would name each worker's own (empty) buffer.
+BUFFER = r"""
+#include <stdlib.h>
+static void* thread_buffer(int64_t bytes) { /* NULL if it cannot be had */
+    static __thread void* buffer;
+    static __thread int64_t capacity;
+    if (bytes > capacity) {
+        free(buffer);
+        buffer = malloc(bytes);
+        capacity = buffer ? bytes : 0;
+    }
+    return buffer;
+}
+"""
+
 # bfloat16 on AMX (Intel Xeon since Sapphire Rapids): the tile unit multiplies 16 weight rows x 32 k by 32 k x
 # up to 16 input rows in one instruction (tdpbf16ps), so 16 rows cost the multiply time of one and every
 # row count streams the weight at the memory's pace: on a 2-core Xeon 11-13 GB/s on one core and 18-24 on
@@ -203,9 +220,10 @@ static inline uint16_t to_bf16(float f) { /* round to nearest even; a NaN stays 
 # wants). Each output element is one tile lane, summed over k in a fixed order, so a row's value does not
 # depend on the rows or threads sharing its call; it is rounded to bf16 to nearest even, as above. Output
 # columns past the last multiple of 16 take the AVX-512 code above (the same columns every call).
-SOURCE_AMX = r"""
+SOURCE_AMX = (
+    BUFFER
+    + r"""
 #include <omp.h>
-#include <stdlib.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -283,18 +301,8 @@ static void amx_columns(const uint32_t* xp, const uint16_t* w, uint16_t* y, int6
 /* y [R, N] = x [R, K] . w [N, K]^T, R <= 64, K % 32 == 0; -1 if the packing buffer cannot be had. */
 int small_gemm_threads(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t R, int64_t K, int64_t N,
                        int64_t threads) {
-    static __thread uint32_t* xp;
-    static __thread int64_t capacity;
-    if (R * K / 2 > capacity) {
-        free(xp);
-        capacity = R * K / 2;
-        xp = malloc(capacity * 4);
-        if (!xp) {
-            capacity = 0;
-            return -1;
-        }
-    }
-    uint32_t* packed = xp; /* the caller's thread's buffer: xp itself names each thread's own */
+    uint32_t* packed = thread_buffer(R * K * 2);
+    if (!packed) return -1;
     const uint32_t* x32 = (const uint32_t*)x;
     for (int64_t m = 0; m < R; m++)
         for (int64_t p = 0; p < K / 2; p++) packed[p * R + m] = x32[m * (K / 2) + p];
@@ -308,6 +316,7 @@ int small_gemm_threads(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_
     return 0;
 }
 """
+)
 
 # int8 (AVX512-VNNI): vpdpbusd multiplies 64 uint8 x int8 pairs into 16 int32 lanes (exact integer sums;
 # no saturation: |255 * 127 * K| < 2^31 for K < 66,000). Int8Linear (rsd_runtime.models) quantises.
@@ -329,9 +338,9 @@ SOURCE_INT8 = (
 #define STORE(v) (v)
 """
     + TILES
+    + BUFFER
     + r"""
 #include <omp.h>
-#include <stdlib.h>
 /* A whole int8 linear layer over R <= 64 float32 rows x [R, K] into y [R, N]: each row quantised symmetric to
    [-127, 127] by its own scale and shifted by 128 into uint8 (into a buffer of the calling thread's), the
    products summed exactly in int32 (in y's own memory, as int32), then y = x_scale[r] * w_scale[j] *
@@ -339,18 +348,8 @@ SOURCE_INT8 = (
    `threads` threads of the caller's OpenMP team, as small_gemm_threads. -1 if the buffer cannot be had. */
 int int8_linear(const float* x, const int8_t* w, const float* w_scale, const int32_t* w_shift, const float* bias,
                 float* y, int64_t R, int64_t K, int64_t N, int64_t threads) {
-    static __thread uint8_t* buffer;
-    static __thread int64_t capacity;
-    if (R * K > capacity) {
-        free(buffer);
-        capacity = R * K;
-        buffer = malloc(capacity);
-        if (!buffer) {
-            capacity = 0;
-            return -1;
-        }
-    }
-    uint8_t* xq = buffer; /* the calling thread's: `buffer` itself names each thread's own */
+    uint8_t* xq = thread_buffer(R * K);
+    if (!xq) return -1;
     int32_t* acc = (int32_t*)y;
     float xs[64];
     for (int64_t r = 0; r < R; r++) {

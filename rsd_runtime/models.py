@@ -7,6 +7,7 @@ import logging
 import time
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -128,10 +129,8 @@ def use_small_batch_linear(model: torch.nn.Module, max_rows: int = 64, kernel: s
         if n > self.small_batch_rows:
             return torch.nn.functional.linear(x, self.weight, self.bias)
         if self.small_gemm and small_gemm.supports(rows[: small_gemm.MAX_ROWS], self.weight):
-            if n <= small_gemm.MAX_ROWS:
-                out = small_gemm.small_gemm(rows, self.weight)  # [R, out]: each weight read once for all rows
-            else:  # a prompt, where small_batch_rows allows it (small_gemm.preferred_rows): calls of MAX_ROWS
-                out = torch.cat([small_gemm.small_gemm(c, self.weight) for c in rows.split(small_gemm.MAX_ROWS)])
+            # [R, out]: each weight read once for all rows (a prompt, where small_batch_rows allows it, in calls)
+            out = _in_calls(partial(small_gemm.small_gemm, weight=self.weight), rows)
             out = out + self.bias if self.bias is not None else out
             return out.reshape(*x.shape[:-1], out.shape[-1])
         if n > small_gemm.MAX_ROWS:
@@ -150,6 +149,14 @@ def use_small_batch_linear(model: torch.nn.Module, max_rows: int = 64, kernel: s
         layer.small_batch_rows, layer.small_gemm = max_rows, kernel != "torch"
         layer.forward = forward.__get__(layer)
     return len(layers)
+
+
+def _in_calls(kernel: Callable[[Tensor], Tensor], rows: Tensor) -> Tensor:
+    """kernel over rows [R, K] in calls of at most small_gemm.MAX_ROWS rows (what its kernels take) -> [R, N];
+    a draft or a tree is one call (no split and concatenation: a layer costs microseconds of Python)."""
+    if rows.shape[0] <= small_gemm.MAX_ROWS:
+        return kernel(rows)
+    return torch.cat([kernel(c) for c in rows.split(small_gemm.MAX_ROWS)])
 
 
 def set_small_batch_rows(model: torch.nn.Module, max_rows: int) -> None:
@@ -334,10 +341,7 @@ class Int8Linear(torch.nn.Module):
         rows = x.reshape(-1, self.in_features)  # [R, K]
         rows = rows if rows.dtype == torch.float32 else rows.float()
         args = (self.weight_int8, self.w_scale, self.w_shift, self.bias)
-        if rows.shape[0] <= small_gemm.MAX_ROWS:  # a draft forward: one call (a layer costs ~10 us of Python)
-            out = small_gemm.int8_linear(rows, *args)  # [R, N]
-        else:
-            out = torch.cat([small_gemm.int8_linear(c, *args) for c in rows.split(small_gemm.MAX_ROWS)])
+        out = _in_calls(lambda c: small_gemm.int8_linear(c, *args), rows)  # [R, N]
         out = out.view(*x.shape[:-1], self.out_features)
         return out if out.dtype == x.dtype else out.to(x.dtype)
 

@@ -34,6 +34,7 @@ compiler that knows them; where it cannot, callers keep their torch path (speed 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -42,7 +43,6 @@ import platform
 import subprocess
 import tempfile
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 MAX_ROWS = 64  # above this, BLAS is the faster path
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class _Kernel:
     name: str
     source: str
@@ -67,6 +67,23 @@ class _Kernel:
 
 
 _AVX512 = ("-mavx512f", "-mavx512bw")
+_AVX512_BF16 = _Kernel(
+    "avx512-bf16",
+    sources.SOURCE_BF16 + sources.THREADS,
+    (*_AVX512, "-mavx512bf16"),
+    ("avx512f", "avx512bw", "avx512_bf16"),
+    32,
+    torch.bfloat16,
+    torch.bfloat16,
+)
+# The AMX kernel is the AVX-512 one (its code computes the columns past the tiles) with the tile entry point.
+_AMX_BF16 = dataclasses.replace(
+    _AVX512_BF16,
+    name="amx-bf16",
+    source=sources.SOURCE_BF16 + sources.SOURCE_AMX,
+    cflags=(*_AVX512_BF16.cflags, "-mamx-tile", "-mamx-bf16"),
+    cpu_flags=(*_AVX512_BF16.cpu_flags, "amx_tile", "amx_bf16"),
+)
 # Keyed by the weight's dtype: the kernels for it, preferred first; the first this machine runs is used.
 _KERNELS: dict[torch.dtype, tuple[_Kernel, ...]] = {
     torch.float32: (
@@ -80,26 +97,7 @@ _KERNELS: dict[torch.dtype, tuple[_Kernel, ...]] = {
             torch.float32,
         ),
     ),
-    torch.bfloat16: (
-        _Kernel(
-            "amx-bf16",
-            sources.SOURCE_BF16 + sources.SOURCE_AMX,
-            (*_AVX512, "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
-            ("avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16"),
-            32,
-            torch.bfloat16,
-            torch.bfloat16,
-        ),
-        _Kernel(
-            "avx512-bf16",
-            sources.SOURCE_BF16 + sources.THREADS,
-            (*_AVX512, "-mavx512bf16"),
-            ("avx512f", "avx512bw", "avx512_bf16"),
-            32,
-            torch.bfloat16,
-            torch.bfloat16,
-        ),
-    ),
+    torch.bfloat16: (_AMX_BF16, _AVX512_BF16),
     torch.int8: (
         _Kernel(
             "avx512-vnni",
