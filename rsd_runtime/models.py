@@ -16,6 +16,7 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from rsd_runtime import DTYPE_NAMES, QUANTIZE_MODES, small_gemm
+from rsd_runtime.attention import GROUPED_SDPA
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +66,9 @@ def load_model(
     None picks per device: on a CPU small_gemm.preferred_rows (64 where a kernel runs, any number on AMX,
     where a prompt goes through it in calls of 64 rows), at least 64 for float32; 0 (F.linear) elsewhere.
 
-    attn_implementation "auto" takes sdpa where the architecture has it, else eager (Gemma2, GPT-Neo,
-    Bloom, MPT, XGLM have no sdpa path); the choice is logged and kept in model.config._attn_implementation.
+    attn_implementation "auto" takes sdpa where the architecture has it, as rsd_runtime.attention.grouped_sdpa
+    where its layers dispatch through transformers' AttentionInterface, else eager (Gemma2, GPT-Neo, Bloom,
+    MPT, XGLM have no sdpa path); the choice is logged and kept in model.config._attn_implementation.
     Tree forwards need one of rsd_runtime.attention.MASKED_ATTENTION.
     """
     kwargs = {"dtype": parse_dtype(dtype, device)}
@@ -81,6 +83,8 @@ def load_model(
             if "scaled_dot_product_attention" not in str(e) and "sdpa" not in str(e):
                 raise
             model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager", **kwargs)
+        if model.config._attn_implementation == "sdpa" and model._can_set_attn_implementation():
+            model.set_attn_implementation(GROUPED_SDPA)  # sdpa bit for bit, without repeat_kv's copies
     model.to(torch.device(device)).eval().requires_grad_(False)
     if small_batch_rows is None and torch.device(device).type != "cpu":
         small_batch_rows = 0

@@ -156,7 +156,8 @@ def test_gpt_neo_local_layers_exact_within_their_window(arch_root):
 
 def test_explicit_attention_choice_is_honoured(arch_root):
     _draft_dir, target_dir = save_pair(BY_NAME["mistral-window"], arch_root)
-    assert load_model(target_dir).config._attn_implementation == "sdpa"
+    assert load_model(target_dir).config._attn_implementation == "grouped_sdpa"  # auto: sdpa without repeat_kv
+    assert load_model(target_dir, attn_implementation="sdpa").config._attn_implementation == "sdpa"
     assert load_model(target_dir, attn_implementation="eager").config._attn_implementation == "eager"
     gemma_dir = save_pair(BY_NAME["gemma2"], arch_root)[1]
     assert load_model(gemma_dir).config._attn_implementation == "eager"  # no sdpa path: eager, not an error

@@ -23,7 +23,7 @@ from rsd_tools.tiny import build_tiny_pair, build_tiny_vocab_pair
 
 ATOL = 1e-4
 FAMILIES = ("llama", "qwen2")
-CONFIGS = [(f, a) for f in FAMILIES for a in ("sdpa", "eager")]
+CONFIGS = [(f, a) for f in FAMILIES for a in ("auto", "sdpa", "eager")]
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +86,25 @@ def test_tree_forward_matches_per_path_causal(model):
         logits = runner.forward(tokens, parents)
         assert logits.shape == (n, vocab) and logits.dtype == torch.float32
         assert_matches_paths(model, logits, prompt, tokens, parents.tolist())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_grouped_sdpa_matches_sdpa(pairs, dtype):
+    """auto loads a grouped-query model with grouped_sdpa (no repeat_kv copies); its tree forwards, prefill
+    and one-token forwards give sdpa's logits up to float rounding (GEMMs over 2 x n query rows instead of n
+    may sum in another order: 1e-6 here, 0 on most shapes)."""
+    grouped = load_model(pairs["qwen2"][1], dtype=dtype)
+    plain = load_model(pairs["qwen2"][1], dtype=dtype, attn_implementation="sdpa")
+    assert grouped.config._attn_implementation == "grouped_sdpa" and grouped.config.num_key_value_heads > 1
+    assert plain.config._attn_implementation == "sdpa"
+    gen = torch.Generator().manual_seed(3)
+    vocab = grouped.config.vocab_size
+    prompt = torch.randint(4, vocab, (9,), generator=gen).tolist()
+    runners = [prefilled(m, prompt) for m in (grouped, plain)]
+    tokens, parents = random_tree(gen, 12, vocab)
+    for step in ((tokens[:1], torch.tensor([-1])), (tokens, parents), (tokens[:3], torch.tensor([0, 1, 13]))):
+        a, b = (r.forward(*step) for r in runners)
+        torch.testing.assert_close(a, b, atol=1e-5 if dtype == "float32" else 5e-2, rtol=0)
 
 
 def test_prefill_logits_match_causal(model):
