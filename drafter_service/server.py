@@ -20,7 +20,7 @@ from drafter_service.engine import DrafterPool
 from drafter_service.servicer import DrafterServicer
 from rsd_runtime.attention import UnsupportedModelError
 from rsd_runtime.compute import service_compute, single_threaded
-from rsd_runtime.models import load_model, prune_draft_vocab, quantize_draft
+from rsd_runtime.models import load_model, prepare_draft
 from rsd_service.metrics import DrafterMetrics
 from rsd_service.placement import Placement, PlacementError, apply_placement
 from rsd_service.registry import ServiceInfo
@@ -107,8 +107,7 @@ def load_draft(config: DrafterConfig) -> tuple[torch.nn.Module, str]:
     """The draft model as the config says: loaded, vocabulary pruned, then quantised (in that order:
     rsd_runtime.models.quantize_draft). Returns (model, the quantisation applied)."""
     model = load_model(config.model, config.device, config.dtype, config.attn_implementation)
-    prune_draft_vocab(model, config.draft_vocab)
-    return model, quantize_draft(model, config.quantize, config.dtype)
+    return model, prepare_draft(model, config.draft_vocab, config.quantize, config.dtype)
 
 
 async def serve(config: DrafterConfig) -> None:

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     from rsd.methods import Method
     from rsd.sampling import SamplingParams
     from rsd_runtime.generator import Drafter, Stream, step_generator
-    from rsd_runtime.models import load_model, quantize_draft
+    from rsd_runtime.models import load_model, prepare_draft
     from rsd_runtime.packed import PackedForwards
     from rsd_runtime.runner import ModelRunner
     from rsd_runtime.tokenizer import load_tokenizer
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     draft_dir = args.draft or provision_pair(args.cache_dir)["draft"]
     sessions = sorted({1, *(int(n) for n in args.sessions.split(",") if n)})
     model = load_model(draft_dir, "cpu", args.dtype)
-    quantized = quantize_draft(model, args.quantize, args.dtype)
+    quantized = prepare_draft(model, quantize=args.quantize, dtype=args.dtype)
     tokenizer = load_tokenizer(draft_dir)
     prompts = [tokenizer.encode(p["prompt"])[-args.prompt_tokens :] for p in stdlib_prompts(max(sessions), seed=0)]
     method, params = Method.parse(args.method, args.shape), SamplingParams(args.temperature)

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     from rsd.methods import Method
     from rsd.sampling import SamplingParams
     from rsd_runtime.generator import SpeculativeGenerator
-    from rsd_runtime.models import load_model, quantize_draft
+    from rsd_runtime.models import load_model, prepare_draft
     from rsd_runtime.predraft import PreDrafter, outcome_of
     from rsd_runtime.runner import ModelRunner
     from rsd_runtime.tokenizer import load_tokenizer
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     draft_dir, target_dir = args.draft or pair["draft"], args.target or pair["target"]
     target = load_model(target_dir, "cpu", args.dtype)
     draft = load_model(draft_dir, "cpu", "float32")
-    quantized = quantize_draft(draft, args.draft_quantize)
+    quantized = prepare_draft(draft, quantize=args.draft_quantize)
     tokenizer = load_tokenizer(target_dir)
     prompts = [tokenizer.encode(p["prompt"]) for p in stdlib_prompts(args.num_prompts, seed=0)]
     eos = tuple(i for i in [tokenizer.eos_token_id] if i is not None)

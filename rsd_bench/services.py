@@ -176,11 +176,11 @@ def make_prompts(tokenizer, args) -> list[list[int]]:
 def load_models(draft_dir: Path, target_dir: Path, args) -> list:
     import torch
 
-    from rsd_runtime.models import load_model, quantize_draft
+    from rsd_runtime.models import load_model, prepare_draft
 
     torch.set_num_threads(args.threads)
     draft = load_model(draft_dir)
-    quantize_draft(draft, args.draft_quantize)
+    prepare_draft(draft, quantize=args.draft_quantize)
     return [draft, load_model(target_dir, dtype=args.dtype)]
 
 

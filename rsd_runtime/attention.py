@@ -209,6 +209,20 @@ _PROBE_TOLERANCE_16BIT = 5e-2
 PROBE_KEYS = 5  # the probe's tree: keys in its one forward
 
 
+def probe_inputs(model: PreTrainedModel) -> tuple[Tensor, Tensor, Tensor]:
+    """The probe's tree (probe_tree_forward): token ids [5] and positions [5] on the model's device, and
+    allowed [5, 5] bool (each node sees its ancestors and itself)."""
+    vocab, device = model.config.get_text_config().vocab_size, model.device
+    ids = torch.tensor([(5 * i + 3) % vocab for i in range(5)], device=device)  # [p0 p1 a b c]
+    parents = [-1, 0, 1, 1, 3]
+    allowed = torch.zeros(5, 5, dtype=torch.bool)
+    for i in range(5):
+        j = i
+        while j != -1:
+            allowed[i, j], j = True, parents[j]
+    return ids, torch.tensor([0, 1, 2, 2, 3], device=device), allowed
+
+
 @torch.inference_mode()
 def probe_tree_forward(model: PreTrainedModel, plan: AttentionPlan) -> float:
     """Run one small tree through the model with the plan's masks and explicit positions and compare
@@ -224,16 +238,8 @@ def probe_tree_forward(model: PreTrainedModel, plan: AttentionPlan) -> float:
         return cached
     config = model.config.get_text_config()
     arch = f"{config.model_type} ({type(model).__name__})"
-    vocab, device = config.vocab_size, model.device
-    ids = torch.tensor([(5 * i + 3) % vocab for i in range(5)], device=device)  # [p0 p1 a b c]
-    parents = [-1, 0, 1, 1, 3]
-    allowed = torch.zeros(5, 5, dtype=torch.bool)  # [5, 5]: each node sees its ancestors and itself
-    for i in range(5):
-        j = i
-        while j != -1:
-            allowed[i, j], j = True, parents[j]
-    pos = torch.tensor([0, 1, 2, 2, 3], device=device)  # [5]
-    masks = plan.masks(allowed.to(device), pos, pos, model.dtype)
+    ids, pos, allowed = probe_inputs(model)
+    masks = plan.masks(allowed.to(model.device), pos, pos, model.dtype)
     try:
         tree = model(input_ids=ids[None], attention_mask=masks, position_ids=pos[None], use_cache=False)
         tree_logits = tree.logits[0, 2:].float()  # [3, V]: a, b, c

@@ -240,6 +240,19 @@ def prune_draft_vocab(model: torch.nn.Module, keep: int) -> None:
     model.config.tie_word_embeddings = False
 
 
+def prepare_draft(model: torch.nn.Module, draft_vocab: int = 0, quantize: str = "none", dtype: str = "float32") -> str:
+    """Make a loaded model the drafter the config asks for, in the one order that works: prune its vocabulary
+    (prune_draft_vocab), quantise it (quantize_draft), then give it the lean forward where its architecture
+    allows (rsd_runtime.lean: fewer, fused steps a layer; a drafter's law need only be known, not equal to
+    anything). Returns the quantisation applied; ValueError for a setting the model cannot take."""
+    from rsd_runtime.lean import use_lean_forward
+
+    prune_draft_vocab(model, draft_vocab)
+    applied = quantize_draft(model, quantize, dtype)
+    use_lean_forward(model)
+    return applied
+
+
 # ---------------------------------------------------------------- a cheap drafter: int8
 
 

@@ -60,9 +60,12 @@ def model_logits(model: PreTrainedModel, rows: Tensor, total: int, **inputs) -> 
     Only those rows go through the output layer where the model's forward takes logits_to_keep (a
     prefill's catch-up chain needs no logits: on the 1.5B target the 1,536 x 151,936 output layer is
     ~15% of a token's multiply-adds, and a [T, V] float32 copy of 600 KB a token); else sliced after."""
+    rows = rows.to(model.device)
+    lean = model.__dict__.get("rsd_lean")  # a drafter's lean forward (rsd_runtime.lean)
+    if lean is not None and isinstance(inputs["attention_mask"], Tensor):
+        return lean(inputs["input_ids"], inputs["position_ids"], inputs["attention_mask"], inputs["cache"], rows)
     if len(rows) == total:
         return model(**inputs).logits[0].float()
-    rows = rows.to(model.device)
     if _takes_logits_to_keep(type(model)):
         return model(**inputs, logits_to_keep=rows).logits[0].float()
     return model(**inputs).logits[0][rows].float()

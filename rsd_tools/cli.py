@@ -150,7 +150,7 @@ def generate(args) -> int:
     from rsd.sampling import SamplingParams
     from rsd_runtime.attention import UnsupportedModelError
     from rsd_runtime.generator import SpeculativeGenerator
-    from rsd_runtime.models import load_model, prune_draft_vocab, quantize_draft, use_small_batch_linear
+    from rsd_runtime.models import load_model, prepare_draft, use_small_batch_linear
     from rsd_runtime.predraft import PipelinedGenerator
     from rsd_runtime.runner import ModelRunner
     from rsd_runtime.tokenizer import load_tokenizer
@@ -172,12 +172,11 @@ def generate(args) -> int:
     print(f"loading target {target_dir} ({args.target_device}, {args.target_dtype})", file=sys.stderr)
     tokenizer = load_tokenizer(target_dir)
 
-    def load(path, device, dtype, draft_vocab=0, quantize="none"):
+    def load(path, device, dtype, draft_vocab=None, quantize="none"):  # draft_vocab set: the drafter
         model = load_model(path, device, dtype, args.attn_implementation)
         print(f"  {type(model).__name__}, attention {model.config._attn_implementation}", file=sys.stderr)
-        try:  # drafter only: prune, then quantise, then small-batch linear (rsd_runtime.models.quantize_draft)
-            prune_draft_vocab(model, draft_vocab)
-            applied = quantize_draft(model, quantize, dtype)
+        try:  # drafter only: prune, quantise, lean forward (rsd_runtime.models.prepare_draft)
+            applied = prepare_draft(model, draft_vocab, quantize, dtype) if draft_vocab is not None else "none"
         except ValueError as e:
             raise SystemExit(f"error: {path}: {e}") from None
         if quantize != "none":

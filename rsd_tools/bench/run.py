@@ -18,8 +18,7 @@ from rsd.sampling import SamplingParams
 from rsd_runtime.generator import SpeculativeGenerator
 from rsd_runtime.models import (
     load_model,
-    prune_draft_vocab,
-    quantize_draft,
+    prepare_draft,
     set_small_batch_rows,
     use_small_batch_linear,
 )
@@ -68,9 +67,8 @@ def load_models(args: argparse.Namespace, plan: Plan, draft_dir: Path, target_di
     for mode in plan.quantize_modes if needs_draft else []:
         model = load_model(draft_dir, args.device, plan.draft_dtype)
         draft_params = sum(p.numel() for p in model.parameters())
-        try:  # prune, then quantise, then (below) small-batch linear: rsd_runtime.models.quantize_draft
-            prune_draft_vocab(model, args.draft_vocab)
-            quantized[mode] = quantize_draft(model, mode, plan.draft_dtype)
+        try:  # prune, quantise, lean forward: rsd_runtime.models.prepare_draft
+            quantized[mode] = prepare_draft(model, args.draft_vocab, mode, plan.draft_dtype)
         except ValueError as e:
             raise SystemExit(f"error: --draft-quantize {mode}: {e}") from None
         log(f"drafter --draft-quantize {mode}: {quantized[mode]}")

@@ -1,0 +1,197 @@
+"""A lean forward for a drafter of the Llama family: the decoder written out in a few torch ops a layer.
+
+A 0.5B drafter's forward of 1-4 tokens on two CPU cores is as much Python and small-op overhead as
+arithmetic: of ~32 ms (Qwen2.5-0.5B, int8, Zen 4) the linear kernels take ~16, the rest goes to
+transformers' layers (module calls, ~40 small ops a layer: RMSNorm in six, rotary in seven, a cache
+update, the attention dispatch). This forward computes the same function with fewer, larger steps:
+q, k and v are one linear layer (and gate and up another) whose weights the original layers keep as
+views, RMSNorm is torch's fused op, rotary runs on q and k at once, and attention is grouped_sdpa's.
+It takes the same inputs as the model's own forward (ModelRunner and the packed drafter call it through
+runner.model_logits) and writes the same cache.
+
+For DRAFTERS only: its logits equal the model's own up to float rounding (and, for an int8 drafter, the
+per-row activation scales that rounding moves), which is harmless where the law drawn from is the law
+sent with the tree; a target must stay exactly as configured. use_lean_forward checks the architecture,
+then compares both forwards on a small tree and refuses (returns the reason) when they disagree.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+# Decoders whose layers are exactly: RMSNorm, q/k/v (optional bias), rotary, attention, o, residual,
+# RMSNorm, SiLU-gated MLP, residual; embeddings unscaled.
+LEAN_MODEL_TYPES = ("llama", "qwen2", "mistral")
+_RELATIVE_TOLERANCE = 0.05  # of the probe's logits against the model's own forward (int8 rounding included)
+
+
+def lean_unsupported(model: torch.nn.Module) -> str:
+    """Why use_lean_forward cannot run this model ("" when it can)."""
+    config = model.config.get_text_config()
+    if os.environ.get("RSD_LEAN_FORWARD", "1") == "0":
+        return "RSD_LEAN_FORWARD=0"
+    if config.model_type not in LEAN_MODEL_TYPES:
+        return f"model_type {config.model_type!r} is not one of {LEAN_MODEL_TYPES}"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act {config.hidden_act!r} (the lean MLP is SiLU-gated)"
+    if len(set(getattr(config, "layer_types", None) or ["full_attention"])) > 1:
+        return "layers of more than one attention type (one mask serves every lean layer)"
+    base = getattr(model, "model", None)
+    if base is None or not all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return f"{type(model).__name__} has no model.embed_tokens / layers / norm / rotary_emb"
+    return ""
+
+
+class _Fused(torch.nn.Module):
+    """Linear layers over the same input as one call: their outputs side by side. The parts keep their own
+    modules, their weights turned into views of the fused ones (no second copy)."""
+
+    def __init__(self, parts: list[torch.nn.Module]):
+        super().__init__()
+        from rsd_runtime.models import Int8Linear, use_small_batch_linear
+
+        self.sizes = [p.out_features for p in parts]
+        if all(type(p) is Int8Linear for p in parts):
+            fused = Int8Linear.__new__(Int8Linear)
+            torch.nn.Module.__init__(fused)
+            fused.in_features, fused.out_features = parts[0].in_features, sum(self.sizes)
+            for name in ("weight_int8", "w_scale", "w_shift", "bias"):
+                values = [getattr(p, name) for p in parts]
+                fused.register_buffer(name, None if values[0] is None else torch.cat(values))
+                if values[0] is not None:
+                    for p, view in zip(parts, getattr(fused, name).split(self.sizes), strict=True):
+                        setattr(p, name, view)
+        elif all(type(p) is torch.nn.Linear for p in parts):
+            weight = torch.cat([p.weight for p in parts])
+            has_bias = parts[0].bias is not None
+            fused = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, device=weight.device)
+            fused.to(weight.dtype).requires_grad_(False)
+            fused.weight.copy_(weight)
+            if has_bias:
+                fused.bias.copy_(torch.cat([p.bias for p in parts]))
+            for name in ("weight", "bias") if has_bias else ("weight",):
+                for p, view in zip(parts, getattr(fused, name).split(self.sizes), strict=True):
+                    setattr(p, name, torch.nn.Parameter(view, requires_grad=False))
+            use_small_batch_linear(fused, 0)  # its rows and kernel follow parts[0]'s at each call (forward)
+        else:
+            fused = None  # e.g. torch's dynamic int8 layers: called one by one
+        self.fused, self.parts = fused, parts
+
+    def forward(self, x: Tensor) -> Tensor:  # [n, K] -> [n, Σ out]
+        if self.fused is not None:
+            if hasattr(self.fused, "small_batch_rows"):  # set_small_batch_rows / set_linear_kernel on the model
+                self.fused.small_batch_rows = getattr(self.parts[0], "small_batch_rows", 0)
+                self.fused.small_gemm = getattr(self.parts[0], "small_gemm", False)
+            return self.fused(x)
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
+class LeanDecoder(torch.nn.Module):
+    """The model's decoder as a lean forward: see the module docstring."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        config = model.config.get_text_config()
+        base = model.model
+        self.embed, self.norm, self.rotary = base.embed_tokens, base.norm, base.rotary_emb
+        self.head = model.get_output_embeddings()
+        self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.calls = 0  # forwards run (tests check that the runner takes this path)
+        self.layers = []
+        for layer in base.layers[: config.num_hidden_layers]:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.layers.append(
+                (
+                    layer.input_layernorm,
+                    _Fused([attn.q_proj, attn.k_proj, attn.v_proj]),
+                    attn.o_proj,
+                    layer.post_attention_layernorm,
+                    _Fused([mlp.gate_proj, mlp.up_proj]),
+                    mlp.down_proj,
+                    attn.scaling,
+                )
+            )
+
+    @staticmethod
+    def _rms(norm: torch.nn.Module, x: Tensor) -> Tensor:
+        eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
+        return F.rms_norm(x, norm.weight.shape, norm.weight, eps)
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor, cache, rows: Tensor) -> Tensor:
+        """input_ids, position_ids [1, n], attention_mask [1, 1, n, L] additive (L = cached + n keys),
+        cache a transformers Cache of this model's layers (written as the model's own forward would),
+        rows [R] -> float32 logits [R, V] at those rows."""
+        n = input_ids.shape[1]
+        hq, hkv, d = self.heads, self.kv_heads, self.head_dim
+        rep = hq // hkv
+        x = self.embed(input_ids[0])  # [n, H]
+        cos, sin = self.rotary(x, position_ids)  # [1, n, D] each
+        cos, sin = cos[0, :, None], sin[0, :, None]  # [n, 1, D]
+        half = d // 2
+        sin_signed = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)  # rotate_half's signs, once
+        # Each query head's copy of the mask: [1, 1, rep * n, L] (grouped attention, as grouped_sdpa)
+        mask = attention_mask[:, :, None].expand(1, 1, rep, n, attention_mask.shape[-1]).reshape(1, 1, rep * n, -1)
+        for i, (ln1, qkv_proj, o_proj, ln2, gate_up, down, scaling) in enumerate(self.layers):
+            qkv = qkv_proj(self._rms(ln1, x))  # [n, (hq + 2 hkv) d]
+            qk = qkv[:, : (hq + hkv) * d].view(n, hq + hkv, d)
+            qk = qk * cos + qk.roll(half, dims=-1) * sin_signed  # rotary on q and k at once
+            q = qk[:, :hq]  # [n, hq, d]
+            k = qk[:, hq:].transpose(0, 1)[None]  # [1, hkv, n, d]
+            v = qkv[:, (hq + hkv) * d :].view(n, hkv, d).transpose(0, 1)[None]  # [1, hkv, n, d]
+            keys, values = cache.layers[i].update(k, v)  # [1, hkv, L, d]
+            # query head h = kv * rep + r: group kv's rows are (r, token), r-major
+            q = q.view(n, hkv, rep, d).permute(1, 2, 0, 3).reshape(1, hkv, rep * n, d)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
+            out = out.view(hkv, rep, n, d).permute(2, 0, 1, 3).reshape(n, hq * d)  # [n, hq d]
+            x = x + o_proj(out)
+            gu = gate_up(self._rms(ln2, x))  # [n, 2 I]
+            inter = gu.shape[-1] // 2
+            x = x + down(F.silu(gu[:, :inter]) * gu[:, inter:])
+        self.calls += 1
+        return self.head(self._rms(self.norm, x[rows])).float()  # [R, V]
+
+
+def use_lean_forward(model: torch.nn.Module) -> str:
+    """Give a DRAFT model the lean forward (runner.model_logits then calls it) after it is loaded, pruned and
+    quantised; returns "" when applied, else why not (the model keeps its own forward). RSD_LEAN_FORWARD=0
+    in the environment keeps every model on its own forward (an A/B through the services)."""
+    problem = lean_unsupported(model)
+    if not problem:
+        lean = LeanDecoder(model)
+        err = _compare(model, lean)
+        if not err <= _RELATIVE_TOLERANCE:
+            problem = f"its logits differ from the model's own by {err:.1e} (relative; at most {_RELATIVE_TOLERANCE})"
+        else:
+            model.__dict__["rsd_lean"] = lean  # not a submodule: model.modules() stays the model's
+            log.info("lean draft forward on (probe tree: relative logit difference %.1e)", err)
+            return ""
+    log.info("lean draft forward off: %s", problem)
+    return problem
+
+
+@torch.inference_mode()
+def _compare(model: torch.nn.Module, lean: LeanDecoder) -> float:
+    """Largest |lean - own| / (1 + max |own|) over the logits of attention_probe_tree's nodes."""
+    from rsd_runtime.attention import check_model, probe_inputs
+    from rsd_runtime.kvcache import SequenceKVCache
+
+    plan = check_model(model, 8)
+    ids, pos, allowed = probe_inputs(model)
+    mask = plan.masks(allowed.to(model.device), pos, pos, model.dtype)
+    num_layers = model.config.get_text_config().num_hidden_layers
+    rows = torch.arange(ids.shape[0], device=model.device)
+    own = model(input_ids=ids[None], attention_mask=mask, position_ids=pos[None], use_cache=False).logits[0].float()
+    mine = lean(ids[None], pos[None], mask, SequenceKVCache(num_layers, 8), rows)
+    finite = torch.isfinite(own)
+    if not torch.equal(finite, torch.isfinite(mine)):
+        return float("inf")
+    return float((mine - own)[finite].abs().max() / (1 + own[finite].abs().max()))
