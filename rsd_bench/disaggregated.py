@@ -291,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         "draft_quantize": args.draft_quantize,
         "drafter_args": args.drafter_args,
         "small_gemm": os.environ.get("RSD_SMALL_GEMM", "1") != "0",  # the small-row kernels (RSD_SMALL_GEMM=0: off)
+        "lean_draft_forward": os.environ.get("RSD_LEAN_FORWARD", "1") != "0",  # rsd_runtime.lean (=0: off)
         "placement": {
             "drafter_cores": args.drafter_cores,
             "verifier_cores": args.verifier_cores,
@@ -343,7 +344,12 @@ def markdown(result: dict) -> str:
             if result.get("small_gemm", True) and m.get("small_gemm_kernels")
             else ""
         )
-        + ("" if result.get("small_gemm", True) else " Small-row kernels off (RSD_SMALL_GEMM=0): torch's F.linear."),
+        + ("" if result.get("small_gemm", True) else " Small-row kernels off (RSD_SMALL_GEMM=0): torch's F.linear.")
+        + (
+            ""
+            if "lean_draft_forward" not in result
+            else " Lean draft forward: " + ("on." if result["lean_draft_forward"] else "off (RSD_LEAN_FORWARD=0).")
+        ),
         "",
         "| target alone (its fastest dtype: the baseline) | " + " | ".join(f"T={t}" for t in _ar_temps(result)) + " |",
         "| --- | " + " | ".join("---" for _ in _ar_temps(result)) + " |",

@@ -54,7 +54,10 @@ def test_single_threaded_lets_the_main_threads_openmp_workers_go():
         "x = torch.randn(1 << 22)\n"
         "base = count(); (x * 2).sum(); main_team = count()\n"
         "c = ComputeThread(2); c.run(lambda: (x * 2).sum()); both = count()\n"
-        "single_threaded(); after = count()\n"
+        "single_threaded()\n"
+        "import time; deadline = time.monotonic() + 10\n"  # the worker exits on its own after the pause
+        "while count() >= both and time.monotonic() < deadline: time.sleep(0.01)\n"
+        "after = count()\n"
         "new = []; t = threading.Thread(target=lambda: new.append(torch.get_num_threads())); t.start(); t.join()\n"
         "print(main_team - base, both - main_team, after - both, torch.get_num_threads(),"
         " c.run(torch.get_num_threads), new[0])\n"
