@@ -180,7 +180,7 @@ def use_lean_forward(model: torch.nn.Module) -> str:
 
 @torch.inference_mode()
 def _compare(model: torch.nn.Module, lean: LeanDecoder) -> float:
-    """Largest |lean - own| / (1 + max |own|) over the logits of attention_probe_tree's nodes."""
+    """Largest |lean - own| / (1 + max |own|) over the logits of the load-time probe's tree (attention.probe_inputs)."""
     from rsd_runtime.attention import check_model, probe_inputs
     from rsd_runtime.kvcache import SequenceKVCache
 
