@@ -48,7 +48,6 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from rsd_runtime import int_kernel_sources as int_sources
 from rsd_runtime import kernel_sources as sources
 
 log = logging.getLogger(__name__)
@@ -85,15 +84,6 @@ _AMX_BF16 = dataclasses.replace(
     cflags=(*_AVX512_BF16.cflags, "-mamx-tile", "-mamx-bf16"),
     cpu_flags=(*_AVX512_BF16.cpu_flags, "amx_tile", "amx_bf16"),
 )
-_VNNI_INT8 = _Kernel(
-    "avx512-vnni",
-    int_sources.SOURCE_INT8 + sources.THREADS,
-    (*_AVX512, "-mavx512vnni"),
-    ("avx512f", "avx512bw", "avx512_vnni"),
-    64,
-    torch.uint8,
-    torch.int32,
-)
 # Keyed by the weight's dtype: the kernels for it, preferred first; the first this machine runs is used.
 _KERNELS: dict[torch.dtype, tuple[_Kernel, ...]] = {
     torch.float32: (
@@ -108,7 +98,17 @@ _KERNELS: dict[torch.dtype, tuple[_Kernel, ...]] = {
         ),
     ),
     torch.bfloat16: (_AMX_BF16, _AVX512_BF16),
-    torch.int8: (_VNNI_INT8,),
+    torch.int8: (
+        _Kernel(
+            "avx512-vnni",
+            sources.SOURCE_INT8 + sources.THREADS,
+            (*_AVX512, "-mavx512vnni"),
+            ("avx512f", "avx512bw", "avx512_vnni"),
+            64,
+            torch.uint8,
+            torch.int32,
+        ),
+    ),
 }
 
 _lock = threading.Lock()
