@@ -223,6 +223,15 @@ def probe_inputs(model: PreTrainedModel) -> tuple[Tensor, Tensor, Tensor]:
     return ids, torch.tensor([0, 1, 2, 2, 3], device=device), allowed
 
 
+def relative_logit_error(logits: Tensor, ref: Tensor) -> float:
+    """max |logits - ref| / (1 + max |ref|) over ref's finite entries (a pruned draft head scores some ids
+    -inf: models.PrunedLMHead); inf where the two are not finite at the same entries."""
+    finite = torch.isfinite(ref)
+    if not torch.equal(torch.isfinite(logits), finite):
+        return float("inf")
+    return float((logits - ref)[finite].abs().max() / (1 + ref[finite].abs().max()))
+
+
 @torch.inference_mode()
 def probe_tree_forward(model: PreTrainedModel, plan: AttentionPlan) -> float:
     """Run one small tree through the model with the plan's masks and explicit positions and compare
@@ -247,11 +256,7 @@ def probe_tree_forward(model: PreTrainedModel, plan: AttentionPlan) -> float:
         ref = torch.stack([model(input_ids=ids[list(p)][None], use_cache=False).logits[0, -1].float() for p in paths])
     except Exception as e:  # what the model cannot take is a refusal, not a crash in the first request
         raise UnsupportedModelError(f"{arch}: a tree forward with a 4-D mask and positions fails: {e}") from e
-    finite = torch.isfinite(ref)  # a pruned draft head scores some ids -inf (models.PrunedLMHead)
-    if not torch.equal(torch.isfinite(tree_logits), finite):
-        err = float("inf")
-    else:
-        err = float((tree_logits - ref)[finite].abs().max() / (1 + ref[finite].abs().max()))
+    err = relative_logit_error(tree_logits, ref)
     tolerance = _PROBE_TOLERANCE.get(model.dtype, _PROBE_TOLERANCE_16BIT)
     if getattr(model, "rsd_quantize", "none") != "none":
         # A dynamically quantised drafter quantises activations per forward, so a tree row differs from

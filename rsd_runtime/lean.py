@@ -180,8 +180,8 @@ def use_lean_forward(model: torch.nn.Module) -> str:
 
 @torch.inference_mode()
 def _compare(model: torch.nn.Module, lean: LeanDecoder) -> float:
-    """Largest |lean - own| / (1 + max |own|) over the logits of the load-time probe's tree (attention.probe_inputs)."""
-    from rsd_runtime.attention import check_model, probe_inputs
+    """attention.relative_logit_error of the lean logits against the model's own over the load-time probe's tree."""
+    from rsd_runtime.attention import check_model, probe_inputs, relative_logit_error
     from rsd_runtime.kvcache import SequenceKVCache
 
     plan = check_model(model, 8)
@@ -190,8 +190,4 @@ def _compare(model: torch.nn.Module, lean: LeanDecoder) -> float:
     num_layers = model.config.get_text_config().num_hidden_layers
     rows = torch.arange(ids.shape[0], device=model.device)
     own = model(input_ids=ids[None], attention_mask=mask, position_ids=pos[None], use_cache=False).logits[0].float()
-    mine = lean(ids[None], pos[None], mask, SequenceKVCache(num_layers, 8), rows)
-    finite = torch.isfinite(own)
-    if not torch.equal(finite, torch.isfinite(mine)):
-        return float("inf")
-    return float((mine - own)[finite].abs().max() / (1 + own[finite].abs().max()))
+    return relative_logit_error(lean(ids[None], pos[None], mask, SequenceKVCache(num_layers, 8), rows), own)

@@ -84,7 +84,7 @@ def load_model(
                 raise
             model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager", **kwargs)
         if model.config._attn_implementation == "sdpa" and model._can_set_attn_implementation():
-            model.set_attn_implementation(GROUPED_SDPA)  # sdpa bit for bit, without repeat_kv's copies
+            model.set_attn_implementation(GROUPED_SDPA)  # sdpa up to float rounding, without repeat_kv's copies
     model.to(torch.device(device)).eval().requires_grad_(False)
     if small_batch_rows is None and torch.device(device).type != "cpu":
         small_batch_rows = 0
