@@ -113,7 +113,7 @@ def validate_draft_tree(tree: DraftTree, max_nodes: int | None = None, atol: flo
     internal = torch.unique(tree.parent_idx[1:])
     probs = tree.draft_probs[internal]  # [num_internal, V]
     sums = probs.sum(-1)  # a NaN or an infinite entry makes its row's sum NaN or infinite: no dense isfinite pass
-    if not torch.isfinite(sums).all() or (probs < 0).any():
+    if not torch.isfinite(sums).all() or (probs.numel() and float(probs.min()) < 0):  # a reduction, no bool pass
         raise ValueError("draft_probs must be finite and non-negative")
     if ((sums - 1).abs() > atol).any():
         raise ValueError(f"draft_probs of internal nodes must sum to 1, got sums {sums.tolist()}")

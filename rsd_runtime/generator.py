@@ -36,7 +36,7 @@ from torch import Tensor
 
 from rsd.acceptance import Rule, Verdict, verify
 from rsd.methods import Method
-from rsd.sampling import SamplingParams, logits_to_probs, sample, truncate
+from rsd.sampling import SamplingParams, logits_to_probs, proposal_probs, sample
 from rsd.tree import DraftTree, path_to
 from rsd_runtime.runner import Forward, ModelRunner
 
@@ -114,7 +114,7 @@ class ModelProposal:
 
     def law(self, logits: Tensor) -> Tensor:
         """The proposal law of draft logits [F, V] -> [F, V]: the sampling transform, then truncation."""
-        return truncate(logits_to_probs(logits, self.params), self.top_k, self.top_p)
+        return proposal_probs(logits, self.params, self.top_k, self.top_p)
 
 
 def _same_prefix_same_law(probs: Tensor, token_ids: Tensor, parent_idx: Tensor, nodes: list[int]) -> Tensor:

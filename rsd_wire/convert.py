@@ -28,7 +28,7 @@ from torch import Tensor
 
 from rsd.acceptance import Verdict
 from rsd.methods import Method
-from rsd.sampling import SamplingParams
+from rsd.sampling import SamplingParams, nonzero_ids
 from rsd.tree import DraftTree, validate_draft_tree, validate_tree
 from rsd_wire import common_pb2, verifier_pb2
 
@@ -116,6 +116,8 @@ def draft_tree_to_proto(tree: DraftTree, *, session_id: str, epoch: int, root_po
     vocab_size = tree.draft_probs.shape[-1]  # draft_probs [N, V]
     validate_tree(tree.token_ids, tree.parent_idx, vocab_size)
     internal = torch.unique(tree.parent_idx[1:]).tolist()  # sorted
+    rows = tree.draft_probs[internal]  # [I, V]
+    supports = nonzero_ids(rows) if rows.dtype in _PROB_DTYPES and rows.dim() == 2 else [None] * len(internal)
     return verifier_pb2.DraftTree(
         session_id=session_id,
         epoch=epoch,
@@ -123,15 +125,17 @@ def draft_tree_to_proto(tree: DraftTree, *, session_id: str, epoch: int, root_po
         token_ids=tensor_to_proto(tree.token_ids),
         parent_idx=tensor_to_proto(tree.parent_idx),
         vocab_size=vocab_size,
-        laws=[proposal_law_to_proto(node, tree.draft_probs[node]) for node in internal],
+        laws=[proposal_law_to_proto(n, row, s) for n, row, s in zip(internal, rows, supports, strict=True)],
     )
 
 
-def proposal_law_to_proto(node_idx: int, probs: Tensor) -> verifier_pb2.ProposalLaw:
-    """probs [V] -> the canonical ProposalLaw: sparse (int32 ids, probs) if smaller, else dense."""
+def proposal_law_to_proto(node_idx: int, probs: Tensor, support: Tensor | None = None) -> verifier_pb2.ProposalLaw:
+    """probs [V] -> the canonical ProposalLaw: sparse (int32 ids, probs) if smaller, else dense.
+    support: probs.nonzero().flatten() when the caller has it already."""
     if probs.dtype not in _PROB_DTYPES or probs.dim() != 1:
         raise ValueError(f"law of node {node_idx}: expected a 1-D float tensor, got {probs.dtype} {list(probs.shape)}")
-    support = probs.nonzero().flatten()  # [S] increasing token ids; NaN, inf and negatives are nonzero
+    if support is None:
+        support = probs.nonzero().flatten()  # [S] increasing token ids; NaN, inf and negatives are nonzero
     values = probs[support]  # [S]: so checking them checks the law (one pass over V, not three)
     if not bool(torch.isfinite(values).all()) or bool((values < 0).any()):
         raise ValueError(f"law of node {node_idx}: probabilities must be finite and non-negative")
