@@ -20,7 +20,7 @@ One run of a session at one epoch:
     tree in progress when the verdict arrives is finished if it is the verdict's own, else dropped.
     With config.predraft_width > 1 it drafts that many outcomes at once, on shadow runners, their
     levels packed into one forward (PreDrafter.draft_wave, _side_by_side).
-Each step's draws come from step_generator(seed, Stream.DRAFT, root position) here and (seed,
+Each step's draws come from StepRandom(seed, Stream.DRAFT, root position) (rsd.random) here and (seed,
 Stream.VERIFY, root position) in the verifier, so a run equals the in-process
 SpeculativeGenerator.generate with the same seed, token for token, pre-drafting or not.
 """
@@ -46,11 +46,12 @@ from drafter_service.config import DrafterConfig
 from drafter_service.verifier_client import VerifyStream, check_verdict, verifier_error
 from rsd.acceptance import Verdict
 from rsd.methods import Method
+from rsd.random import StepRandom, Stream
 from rsd.sampling import SamplingParams
 from rsd.tree import DraftTree
 from rsd_runtime.attention import check_model
 from rsd_runtime.compute import ComputeThread
-from rsd_runtime.generator import Drafter, Finish, Stream, cut_step, finishes, step_generator
+from rsd_runtime.generator import Drafter, Finish, cut_step, finishes
 from rsd_runtime.kvcache import common_prefix_length
 from rsd_runtime.packed import PackedForwards
 from rsd_runtime.predraft import Outcome, PreDrafter, outcome_of
@@ -245,8 +246,8 @@ class DrafterPool:
                     t0 = time.perf_counter()
                     tree, next_tree = next_tree, None
                     if tree is None:
-                        gen = step_generator(job.seed, Stream.DRAFT, len(committed) - 1)
-                        tree = await self._in_thread(slot, drafter.draft, committed, job.method, job.sampling, gen)
+                        rng = StepRandom(job.seed, Stream.DRAFT, len(committed) - 1)
+                        tree = await self._in_thread(slot, drafter.draft, committed, job.method, job.sampling, rng)
                     t1 = time.perf_counter()
                     msg = draft_tree_to_proto(
                         tree, session_id=job.session_id, epoch=job.epoch, root_position=len(committed) - 1

@@ -18,8 +18,9 @@ Names: `_ids` token ids, `_idx` node or row indices, `_probs` laws (rows sum to 
 (True = allowed / kept), `num_` counts. Inside rsd.acceptance the paper's letters: q the target's
 law, p the draft's.
 
-Randomness: every function that draws takes an explicit torch.Generator (rsd.sampling.
-require_generator refuses None); nothing here touches torch's global RNG.
+Randomness: every function that draws takes the step's rsd.random.StepRandom, and each uniform is a
+pure function of (seed, stream, root position, draw, node, column) through Philox4x32-10, computed on
+the law's device; nothing here touches torch's global RNG or carries a generator's state.
 
 Glossary:
     target  the large model whose distribution the output must follow exactly.

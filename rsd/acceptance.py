@@ -9,8 +9,9 @@ A rule is judged node by node. At a node whose children x_1..x_K are stored in s
 node law returns
     accept_probs [K]  a_k = P(accept x_k | x_1..x_{k-1} were rejected)
     residual     [V]  the law of the correction token if all K are rejected
-The walk (`verify`) accepts the first x_k with u_k < a_k (u_k ~ U(0,1), fresh) and descends into
-it; at a node without children it emits a bonus token from q there. `step_law` computes the exact
+The walk (`verify`) accepts the first x_k with u_k < a_k (u_k ~ U(0,1), fresh: the verifier stream's
+(Draw.ACCEPT, node, k), rsd.random) and descends into it; at a node without children it emits a bonus
+token from q there. `step_law` computes the exact
 law of what one step emits from the same node laws, for the enumeration proofs in tests/.
 
     rule                    drafts it is exact for                     paper
@@ -30,10 +31,12 @@ One RRS node, worked (tests/test_exact.py checks these numbers). V = 4, children
 With these drafts the step accepts 1 with probability 0.5, 2 with 0.5 * 0.5 = 0.25, and otherwise
 emits a correction token from q_3: 0 or 3, 0.125 each. Over the draws of the drafts every token
 comes out with probability q: P(x_1 = y and accepted) = p(y) min(1, q(y) / p(y)) = min(p(y), q(y)),
-and after a rejection what remains is RRS again, on q_2 and p_2 (shared/algorithm.md 1.3).
+and after a rejection what remains is RRS again, on q_2 and p_2.
 
 The proof assumes, and the walk checks at every node it visits (ValueError naming the node):
-q and p are laws (finite, non-negative, positive mass), and every child x has p(x) > 0. Unchecked,
+q and p are laws (finite, non-negative, positive mass), and every child x has p(x) > 0. Both are
+taken in float64 and p is renormalised (a sampler draws from p / sum p): a 16-bit draft law is
+promoted, never the target's law rounded down to it. Unchecked,
 a child outside p's support would be accepted with certainty: min(1, q(x) / 0) is 1, and so is
 min(1, 0 / 0) in Python. Deviations from the paper are marked DEVIATION where they are made.
 """
@@ -46,7 +49,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rsd.sampling import check_probs, require_generator, sample
+from rsd.random import Draw, StepRandom
+from rsd.sampling import check_probs, sample
 from rsd.spectr import kseq, merged_children
 from rsd.tree import DraftTree, path_to
 
@@ -147,16 +151,20 @@ def _check_shapes(tree: DraftTree, target_probs: Tensor) -> None:
             f"target_probs must be [N, V] = {list(tree.draft_probs.shape)} like the tree's draft_probs, "
             f"got {list(target_probs.shape)}"
         )
+    devices = {t.device for t in (target_probs, tree.draft_probs, tree.token_ids, tree.parent_idx)}
+    if len(devices) > 1:
+        raise ValueError(f"the tree and target_probs must be on one device, got {sorted(map(str, devices))}")
 
 
 def _node_laws(
     tree: DraftTree, target_probs: Tensor, node: int, child_idx: Tensor, rule: Rule
 ) -> tuple[Tensor, Tensor]:
-    """q and p [V] at `node`; ValueError when an assumption of the proof fails there."""
-    q, p = target_probs[node], tree.draft_probs[node]  # [V] each
+    """q and p [V] at `node`, float64, p renormalised; ValueError when an assumption of the proof fails there."""
+    q, p = target_probs[node].to(torch.float64), tree.draft_probs[node].to(torch.float64)  # [V] each
     check_probs(q, f"target law q at node {node}")
     if rule.reads_draft_law and child_idx.numel():
         check_probs(p, f"draft law p at node {node}")
+        p = p / p.sum()
         child_probs = p[tree.token_ids[child_idx]]  # [K]
         if float(child_probs.min()) <= 0:  # a child p could not have drawn
             c = int(child_idx[child_probs <= 0][0])
@@ -167,22 +175,32 @@ def _node_laws(
     return q, p
 
 
-def verify(tree: DraftTree, target_probs: Tensor, rule: Rule, generator: torch.Generator) -> Verdict:
-    """Walk `tree` from the root with `rule`. target_probs [N, V]: q at every node of the tree."""
+def _uniforms(rng: StepRandom | None, draw: Draw, node: int, n: int, device: torch.device | str = "cpu") -> Tensor:
+    """The step's uniforms (draw, node, 0..n-1) [n]. Greedy matching (rng None) decides by argmaxes
+    alone, so any u gives its verdict."""
+    if rng is None:
+        return torch.full((n,), 0.5, dtype=torch.float64, device=device)
+    return rng.uniform(draw, node, torch.arange(n, device=device))
+
+
+def verify(tree: DraftTree, target_probs: Tensor, rule: Rule, rng: StepRandom | None) -> Verdict:
+    """Walk `tree` from the root with `rule`. target_probs [N, V]: q at every node of the tree, on the
+    tree's device. rng: the step's Stream.VERIFY draws (None only for greedy matching)."""
     _check_shapes(tree, target_probs)
-    require_generator(generator)
+    if rng is None and rule.name != "greedy":
+        raise ValueError(f"rule {rule.name!r} needs the step's random stream")
     node = 0
     while True:
         child_idx = rule.children_of(tree, node)  # [K], in sampling order
         q, p = _node_laws(tree, target_probs, node, child_idx, rule)
         if child_idx.numel() == 0:  # an accepted leaf: the bonus token
-            token, is_bonus = int(sample(q, generator)), True
+            token, is_bonus = int(sample(q, _uniforms(rng, Draw.TOKEN, node, 1, q.device)[0])), True
             break
         accept_probs, residual = rule.node_law(q, p, tree.token_ids[child_idx])
-        u = torch.rand(len(accept_probs), dtype=torch.float64, generator=generator)  # [K] fresh uniforms
+        u = _uniforms(rng, Draw.ACCEPT, node, len(accept_probs)).tolist()  # [K] fresh, on the CPU like a_k
         hit = next((k for k, a in enumerate(accept_probs) if u[k] < a), None)
         if hit is None:  # every child rejected: the correction token
-            token, is_bonus = int(sample(residual, generator)), False
+            token, is_bonus = int(sample(residual, _uniforms(rng, Draw.TOKEN, node, 1, q.device)[0])), False
             break
         node = int(child_idx[hit])
     # With merged chains (K-SEQ) successive accepted nodes may sit on different chains carrying the

@@ -36,7 +36,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from rsd.sampling import check_probs, gumbel, gumbel_top_k, require_generator, sample, support
+from rsd.random import Draw, StepRandom
+from rsd.sampling import check_probs, gumbel_top_k, sample, support
 from rsd.tree import DraftTree
 
 
@@ -95,7 +96,7 @@ def draft_tree(
     root_token: int,
     branching: Sequence[int],
     mode: DraftMode,
-    generator: torch.Generator,
+    rng: StepRandom,
     device: torch.device | str = "cpu",
     stop_below: float = 0.0,
 ) -> DraftTree:
@@ -103,11 +104,11 @@ def draft_tree(
 
     A node whose law has fewer than K tokens in its support gets only that many children in the
     without-replacement and greedy modes. stop_below: a node drawn with probability below it gets
-    no children (the root always does).
+    no children (the root always does). rng: the step's Stream.DRAFT draws. device: where the
+    tree's tensors live (the proposal's laws stay on their own device while drafting).
     """
     _check_branching(branching)
     mode = DraftMode(mode)  # ValueError for an unknown mode
-    require_generator(generator)
     tree = _TreeBuilder(root_token, device)
     frontier, own, probs = [0], [1.0], None  # own: each frontier node's probability in its parent's law
     for k in branching:
@@ -115,16 +116,21 @@ def draft_tree(
         if not frontier:
             break
         probs = tree.propose(proposal, frontier)  # [F, V]
+        node_idx = torch.tensor(frontier, dtype=torch.long, device=probs.device)  # [F]
         if mode is DraftMode.IID:
             values, ids = support(probs)  # [F, S]: draw over the support only (same law)
-            child_ids = sample(values.unsqueeze(1).expand(-1, k, -1), generator)  # [F, k]
+            if ids is not None:  # in id order, so a uniform picks the token it picks over all of V
+                ids, order = ids.sort(-1)
+                values = values.gather(-1, order)
+            u = rng.uniform(Draw.IID, node_idx[:, None], torch.arange(k, device=probs.device))  # [F, k]
+            child_ids = sample(values.unsqueeze(1).expand(-1, k, -1), u)  # [F, k]
             if ids is not None:
                 child_ids = ids.gather(-1, child_ids)
             valid_mask = torch.ones_like(child_ids, dtype=torch.bool)  # [F, k]
         elif mode is DraftMode.WITHOUT_REPLACEMENT:
             # DEVIATION: the paper's branching is constant; past a law's support no distinct token is
             # left, so the node keeps fewer children (Sequoia drafts uniformly there instead).
-            child_ids, valid_mask = gumbel_top_k(probs, min(k, probs.shape[-1]), generator)  # [F, k]
+            child_ids, valid_mask = gumbel_top_k(probs, min(k, probs.shape[-1]), rng, node_idx)  # [F, k]
         else:
             top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)  # [F, k]
             child_ids, valid_mask = top.indices, top.values > 0
@@ -150,13 +156,13 @@ def draft_spectr(
     root_token: int,
     num_chains: int,
     depth: int,
-    generator: torch.Generator,
+    rng: StepRandom,
     device: torch.device | str = "cpu",
     stop_below: float = 0.0,
 ) -> DraftTree:
     """SpecTr: num_chains independent draft sequences of length depth, as a tree of chains."""
     branching = [num_chains] + [1] * (depth - 1)
-    return draft_tree(proposal, root_token, branching, DraftMode.IID, generator, device, stop_below)
+    return draft_tree(proposal, root_token, branching, DraftMode.IID, rng, device, stop_below)
 
 
 def _condition_gumbel(g_tilde: Tensor, parent_g: Tensor) -> Tensor:
@@ -173,7 +179,7 @@ def draft_sbs(
     root_token: int,
     beam_width: int,
     depth: int,
-    generator: torch.Generator,
+    rng: StepRandom,
     device: torch.device | str = "cpu",
     greedy: bool = False,
     stop_below: float = 0.0,
@@ -192,21 +198,23 @@ def draft_sbs(
     """
     if beam_width < 1 or depth < 1:
         raise ValueError(f"beam_width and depth must be >= 1, got {beam_width} and {depth}")
-    require_generator(generator)
     tree = _TreeBuilder(root_token, device)
     beams = [0]
-    phi = torch.zeros(1, dtype=torch.float64, device=device)  # [F] log p of each beam's prefix
-    g = torch.zeros(1, dtype=torch.float64, device=device)  # [F] perturbed value of each beam
-    own_probs = torch.ones(1, device=device)  # [F] each beam's probability in its parent's law
-    probs = None
-    for _ in range(depth):
-        if stop_below > 0 and float(own_probs.max()) < stop_below:
+    phi = g = own_probs = probs = None  # [F] each, on the laws' device: log p, perturbed value, own probability
+    for level in range(depth):
+        if level > 0 and stop_below > 0 and float(own_probs.max()) < stop_below:
             break
         probs = tree.propose(proposal, beams)  # [F, V]
+        if level == 0:
+            phi = g = torch.zeros(1, dtype=torch.float64, device=probs.device)
         values, ids = support(probs)  # [F, S]: the search runs over the support only (same law)
         phi_child = phi.unsqueeze(-1) + torch.log(values.to(torch.float64))  # [F, S]
-        noise = 0.0 if greedy else gumbel(phi_child.shape, generator, device)
-        g_child = phi_child if greedy else _condition_gumbel(phi_child + noise, g)  # [F, S]
+        if greedy:
+            g_child = phi_child
+        else:
+            node_idx = torch.tensor(beams, dtype=torch.long, device=probs.device)  # [F]
+            noise = rng.gumbel(node_idx, ids, probs.shape[-1])  # [F, S], keyed by (beam node, token id)
+            g_child = _condition_gumbel(phi_child + noise, g)  # [F, S]
         top = torch.topk(g_child.flatten(), min(beam_width, g_child.numel()))  # [<= W] over F * S
         keep_idx = top.indices[torch.isfinite(top.values)]  # [<= W] flat (row, column), descending G
         width = values.shape[-1]

@@ -19,10 +19,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-import torch
-
 from rsd.acceptance import RULES, Rule
 from rsd.drafting import DraftMode, Proposal, draft_sbs, draft_tree
+from rsd.random import StepRandom
 from rsd.tree import DraftTree
 
 METHOD_NAMES = ("sd", "specinfer", "spectr", "rsd_c", "rsd_s")
@@ -99,11 +98,10 @@ class Method:
     def rule(self, greedy: bool) -> Rule:
         return RULES["greedy" if greedy else _RULE[self.name]]
 
-    def draft(
-        self, proposal: Proposal, root_token: int, generator: torch.Generator, greedy: bool, device="cpu"
-    ) -> DraftTree:
+    def draft(self, proposal: Proposal, root_token: int, rng: StepRandom, greedy: bool, device="cpu") -> DraftTree:
+        """The method's tree; rng: the step's Stream.DRAFT draws (unused when greedy)."""
         stop = self.stop_below
         if self.name == "rsd_s":
-            return draft_sbs(proposal, root_token, self.beam_width, self.depth, generator, device, greedy, stop)
+            return draft_sbs(proposal, root_token, self.beam_width, self.depth, rng, device, greedy, stop)
         mode = DraftMode.GREEDY if greedy else _DRAFT_MODE[self.name]
-        return draft_tree(proposal, root_token, self.branching, mode, generator, device, stop)
+        return draft_tree(proposal, root_token, self.branching, mode, rng, device, stop)

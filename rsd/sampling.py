@@ -13,6 +13,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from rsd.random import StepRandom
+
+MIN_TEMPERATURE = 1e-2  # below it (but 0) logits / temperature can overflow float32: refused, not clamped
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -25,6 +29,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not (self.temperature >= 0 and self.temperature < float("inf")):
             raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(
+                f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {self.temperature}: below that "
+                "logits / temperature can overflow and the law is greedy up to float rounding anyway"
+            )
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not (0 < self.top_p <= 1):
@@ -66,8 +75,8 @@ def _block_maxima(x: Tensor) -> Tensor:
 def _in_blocks(x: Tensor, blocks: Tensor) -> tuple[Tensor, Tensor]:
     """The entries of x [F, V] in the given blocks [F, b] and in the tail: (values, indices) [F, b * _BLOCK + tail]."""
     start = x.shape[-1] // _BLOCK * _BLOCK
-    idx = (blocks.unsqueeze(-1) * _BLOCK + torch.arange(_BLOCK)).flatten(1)  # [F, b * _BLOCK]
-    idx = torch.cat([idx, torch.arange(start, x.shape[-1]).expand(x.shape[0], -1)], -1)
+    idx = (blocks.unsqueeze(-1) * _BLOCK + torch.arange(_BLOCK, device=x.device)).flatten(1)  # [F, b * _BLOCK]
+    idx = torch.cat([idx, torch.arange(start, x.shape[-1], device=x.device).expand(x.shape[0], -1)], -1)
     return x.gather(-1, idx), idx
 
 
@@ -83,10 +92,11 @@ def nonzero_ids(probs: Tensor) -> list[Tensor]:
     if not probs.numel() or not (float(probs.min()) >= 0 and math.isfinite(float(probs.sum()))):
         return [row.nonzero().flatten() for row in probs]
     maxima = _block_maxima(probs) > 0  # [F, B]
-    tail = torch.arange(maxima.shape[-1] * _BLOCK, probs.shape[-1])
+    tail = torch.arange(maxima.shape[-1] * _BLOCK, probs.shape[-1], device=probs.device)
+    block = torch.arange(_BLOCK, device=probs.device)
     out = []
     for row, positive in zip(probs, maxima, strict=True):
-        idx = torch.cat([(positive.nonzero() * _BLOCK + torch.arange(_BLOCK)).flatten(), tail])  # increasing
+        idx = torch.cat([(positive.nonzero() * _BLOCK + block).flatten(), tail])  # increasing
         out.append(idx[row[idx] > 0])
     return out
 
@@ -136,14 +146,6 @@ def logits_to_probs(logits: Tensor, params: SamplingParams) -> Tensor:
     return truncate(probs, params.top_k, params.top_p)
 
 
-def require_generator(generator: torch.Generator) -> torch.Generator:
-    """Every random draw in rsd takes an explicit generator: torch's global RNG would make runs
-    depend on whatever else drew from it, and seeded replay (rsd_runtime) on nothing."""
-    if not isinstance(generator, torch.Generator):
-        raise TypeError(f"expected a torch.Generator, got {type(generator).__name__}: rsd never uses the global RNG")
-    return generator
-
-
 def check_probs(probs: Tensor, name: str = "probs") -> None:
     """Raise ValueError unless every row of probs [..., V] is a law one can sample from: finite,
     non-negative, with positive mass. (Rows need not sum to 1: samplers normalise implicitly.)"""
@@ -162,30 +164,28 @@ def check_probs(probs: Tensor, name: str = "probs") -> None:
     )
 
 
-def sample(probs: Tensor, generator: torch.Generator) -> Tensor:
-    """One draw per row from probs [..., V] -> ids [...].
+def sample(probs: Tensor, u: Tensor) -> Tensor:
+    """One draw per row from probs [..., V] by inversion, given one uniform per row u [...] in (0, 1):
+    the first id whose cumulative mass exceeds u times the row's mass -> ids [...].
 
-    The exponential race argmax(p / E), E ~ Exp(1), is a categorical sample that needs no
-    torch.multinomial; zero-probability tokens can never win. A row with no mass (all zero) or a
-    NaN would make argmax return token 0 silently, so check_probs refuses it first.
+    One uniform a draw (rsd.random keys it), on the law's own device. Zero-probability tokens add
+    no mass, so they are never the first to exceed it; a row with no mass, or a NaN, would give
+    token 0 silently, so check_probs refuses it first.
     """
     check_probs(probs)
-    race = torch.empty_like(probs, dtype=torch.float64).exponential_(generator=require_generator(generator))  # [..., V]
-    return (probs.to(torch.float64) / race).argmax(-1)
-
-
-def gumbel(shape: torch.Size | tuple[int, ...], generator: torch.Generator, device=None) -> Tensor:
-    """Standard Gumbel noise in float64."""
-    u = torch.rand(shape, dtype=torch.float64, generator=require_generator(generator), device=device)
-    return -torch.log(-torch.log(u.clamp_min(1e-300)))
+    if u.shape != probs.shape[:-1]:
+        raise ValueError(f"sample needs one uniform per row: probs {list(probs.shape)}, u {list(u.shape)}")
+    cdf = probs.to(torch.float64).cumsum(-1)  # [..., V] non-decreasing
+    ids = torch.searchsorted(cdf, (u.to(torch.float64) * cdf[..., -1]).unsqueeze(-1), right=True).squeeze(-1)
+    return torch.minimum(ids, cdf.argmax(-1))  # u * mass can round up to the mass: the last id with mass
 
 
 def support(probs: Tensor) -> tuple[Tensor, Tensor | None]:
     """The rows of probs [..., V] cut to their support, for samplers: (values [..., S], ids [..., S]) with
     S the largest support, each row's nonzero entries first, most likely first, then zeros; ids None when
     every entry is positive (values is probs then). A truncated draft law (top-k 256 of 151,936 tokens)
-    is drawn from in [F, 256] instead of [F, V]: the same law, far fewer random draws and float64 ops
-    (a different use of the generator than drawing over all of V, so different draws for a seed)."""
+    is drawn from in [F, 256] instead of [F, V]: the same law and, since draws are keyed by token id
+    (rsd.random), the same draws, with far fewer float64 ops."""
     values, ids = probs, None
     if probs.dim() == 2 and probs.numel():
         # Sparse rows (a top-k law): only blocks with a positive entry can hold the support.
@@ -200,17 +200,20 @@ def support(probs: Tensor) -> tuple[Tensor, Tensor | None]:
     return top.values, top.indices if ids is None else ids.gather(-1, top.indices)
 
 
-def gumbel_top_k(probs: Tensor, k: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
-    """Ordered sample of k tokens without replacement from each row of probs [F, V].
+def gumbel_top_k(probs: Tensor, k: int, rng: StepRandom, node_idx: Tensor) -> tuple[Tensor, Tensor]:
+    """Ordered sample of k tokens without replacement from each row of probs [F, V], the law at tree
+    node node_idx [F].
 
-    Perturb log p with Gumbel noise and take the top k keys, largest first: that is a
-    Plackett-Luce sample, i.e. x_1 ~ p, x_2 ~ p restricted to V minus {x_1} renormalised, ...
+    Perturb log p with Gumbel noise and take the top k keys, largest first: that is a Plackett-Luce
+    sample, i.e. x_1 ~ p, x_2 ~ p restricted to V minus {x_1} renormalised, ... The noise of token t at
+    node n is rng's (Draw.GUMBEL, n, t), whatever the support cut or the order of the rows.
     Returns ids [F, k] in sampling order and valid_mask [F, k] (False past a row's support size,
     where no further distinct token exists). Drawn over the rows' support (see support()).
     """
     check_probs(probs)
     values, ids = support(probs)  # [F, S] each
-    keys = torch.log(values.to(torch.float64)) + gumbel(values.shape, generator, probs.device)  # [F, S]
+    noise = rng.gumbel(node_idx, ids, probs.shape[-1])  # [F, S]
+    keys = torch.log(values.to(torch.float64)) + noise  # [F, S]
     top = torch.topk(keys, min(k, keys.shape[-1]), dim=-1)  # [F, <= k]
     top_ids = top.indices if ids is None else ids.gather(-1, top.indices)
     valid = torch.isfinite(top.values)

@@ -6,7 +6,8 @@ A tree of N nodes is two int64 tensors:
 
 `parent_idx[i] < i` makes the order topological and rules out cycles. Siblings are stored in the
 order they were sampled: the acceptance rules visit children in increasing node index, and
-recursive rejection sampling is exact only in that order (shared/algorithm.md, "Order matters").
+recursive rejection sampling is exact only in that order (a later sibling's law is its parent's
+with the earlier siblings removed).
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ class DraftTree:
     token_ids: Tensor
     parent_idx: Tensor
     draft_probs: Tensor
+
+    def to(self, device: torch.device | str) -> DraftTree:
+        """The same tree on `device` (the verifier walks it where the target's laws are)."""
+        return DraftTree(self.token_ids.to(device), self.parent_idx.to(device), self.draft_probs.to(device))
 
     @property
     def num_nodes(self) -> int:

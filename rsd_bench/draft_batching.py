@@ -55,8 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from rsd.methods import Method
+    from rsd.random import StepRandom, Stream
     from rsd.sampling import SamplingParams
-    from rsd_runtime.generator import Drafter, Stream, step_generator
+    from rsd_runtime.generator import Drafter
     from rsd_runtime.models import load_model, prepare_draft
     from rsd_runtime.packed import PackedForwards
     from rsd_runtime.runner import ModelRunner
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                     behind = committed[runner.cache_len : -1]
                     runner.forward(torch.tensor(behind), torch.arange(-1, len(behind) - 1))
                     runner.commit(list(range(len(behind))))
-                gen = step_generator(i, Stream.DRAFT, len(committed) - 1)
+                gen = StepRandom(i, Stream.DRAFT, len(committed) - 1)
                 with packer.drafting() if packed else nullcontext():
                     ready.wait()
                     Drafter(runner, args.top_k, forward=forward).draft(committed, method, params, gen)

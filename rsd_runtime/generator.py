@@ -18,7 +18,7 @@ Committed tokens are the session's truth. Each runner caches all but the last co
 last one is the next tree's root); a runner that is behind (the drafter never ran an accepted leaf)
 runs the missing tokens as a chain in front of the next tree, in the same forward.
 
-Randomness is counter-based: a step's draws come from step_generator(seed, stream, root position),
+Randomness is counter-based: a step's draws are StepRandom(seed, stream, root position) (rsd.random),
 one stream for drafting and one for acceptance, so they depend on where the step starts and not on
 what ran before (the drafter service drafts ahead on that: rsd_runtime.predraft).
 """
@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from enum import Enum, IntEnum
+from enum import Enum
 from functools import partial
 
 import torch
@@ -36,6 +36,7 @@ from torch import Tensor
 
 from rsd.acceptance import Rule, Verdict, verify
 from rsd.methods import Method
+from rsd.random import Draw, StepRandom, Stream
 from rsd.sampling import SamplingParams, logits_to_probs, proposal_probs, sample
 from rsd.tree import DraftTree, path_to
 from rsd_runtime.runner import Forward, ModelRunner
@@ -146,13 +147,14 @@ class Drafter:
         committed: list[int],
         method: Method,
         params: SamplingParams,
-        generator: torch.Generator,
+        rng: StepRandom,
         stop: Callable[[], bool] | None = None,
     ) -> DraftTree:
-        """The next tree; generator: step_generator(seed, Stream.DRAFT, len(committed) - 1). stop is
-        asked before each forward; when it says True the draft raises DraftStopped."""
+        """The next tree; rng: StepRandom(seed, Stream.DRAFT, len(committed) - 1). stop is asked before
+        each forward; when it says True the draft raises DraftStopped. The tree is on the CPU (what the
+        wire sends); the laws are drawn from on the draft model's device."""
         self.proposal = ModelProposal(self.runner, committed, params, self.top_k, self.top_p, stop, self.forward)
-        return method.draft(self.proposal, committed[-1], generator, params.greedy, device="cpu")
+        return method.draft(self.proposal, committed[-1], rng, params.greedy, device="cpu")
 
     def accept(self, committed_before: list[int], verdict: Verdict) -> None:
         commit_path(self.runner, committed_before, self.proposal.tentative_of, verdict.accepted_idx)
@@ -172,13 +174,13 @@ class Verifier:
         self.last_forward_s = 0.0  # of the last verify(): the target forward; the rest is acceptance
 
     def verify(
-        self, committed: list[int], tree: DraftTree, rule: Rule, params: SamplingParams, generator: torch.Generator
+        self, committed: list[int], tree: DraftTree, rule: Rule, params: SamplingParams, rng: StepRandom
     ) -> Verdict:
         t = time.perf_counter()
         logits = forward_with_catch_up(self.runner, committed, tree.token_ids, tree.parent_idx)  # [N, V]
         self.last_forward_s = time.perf_counter() - t
-        target_probs = logits_to_probs(logits, params).to(tree.draft_probs.dtype)  # [N, V]
-        verdict = verify(tree, target_probs, rule, generator)
+        target_probs = logits_to_probs(logits, params)  # [N, V] float32 at least, on the target's device
+        verdict = verify(tree.to(target_probs.device), target_probs, rule, rng)
         offset = self._offset(committed)
         commit_path(self.runner, committed, {n: n + offset for n in range(tree.num_nodes)}, verdict.accepted_idx)
         return verdict
@@ -186,9 +188,11 @@ class Verifier:
     def _offset(self, committed: list[int]) -> int:
         return len(committed) - 1 - self.runner.cache_len
 
-    def step_autoregressive(self, committed: list[int], params: SamplingParams, generator: torch.Generator) -> int:
+    def step_autoregressive(self, committed: list[int], params: SamplingParams, rng: StepRandom) -> int:
+        """The target alone: one token from its law at the root (the draw (Draw.TOKEN, node 0))."""
         logits = forward_with_catch_up(self.runner, committed, torch.tensor(committed[-1:]), torch.tensor([-1]))
-        token = int(sample(logits_to_probs(logits[0], params), generator))
+        zero = torch.zeros((), dtype=torch.long, device=logits.device)
+        token = int(sample(logits_to_probs(logits[0], params), rng.uniform(Draw.TOKEN, zero, zero)))
         self.runner.commit(list(range(self._offset(committed) + 1)))
         return token
 
@@ -240,45 +244,6 @@ class GenerationStats:
 class GenerationResult:
     token_ids: list[int]  # new tokens only
     stats: GenerationStats
-
-
-class Stream(IntEnum):
-    """The two random streams of a session: the drafter's draws and the verifier's acceptance draws."""
-
-    DRAFT = 0
-    VERIFY = 1
-
-
-_MASK64 = (1 << 64) - 1
-
-
-def _splitmix64(x: int) -> int:
-    """SplitMix64 (Steele, Lea, Flood 2014): a bijective 64-bit mixer, stable across processes and
-    Python versions (unlike hash(), which is salted per process)."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def step_seed(seed: int, stream: Stream, root_position: int) -> int:
-    """The 64-bit seed of one step's draws: splitmix64(splitmix64(splitmix64(seed) ^ stream) ^ root_position).
-
-    root_position is the absolute position of the step's root, len(committed) - 1. Counter-based:
-    a step's randomness depends on where the step starts, not on how many steps ran before, so a
-    tree drafted ahead for a predicted verdict (rsd_runtime.predraft), a re-run after a failover and
-    a resumed session draw exactly what an uninterrupted run draws at that position."""
-    if root_position < 0:
-        raise ValueError(f"root_position must be >= 0, got {root_position}")
-    x = _splitmix64(seed & _MASK64)
-    x = _splitmix64(x ^ int(stream))
-    return _splitmix64(x ^ root_position)
-
-
-def step_generator(seed: int, stream: Stream, root_position: int) -> torch.Generator:
-    """A CPU generator seeded with step_seed: the drafter, the verifier (in-process or as services)
-    and the autoregressive path all take their step's draws from it."""
-    return torch.Generator().manual_seed(step_seed(seed, stream, root_position))
 
 
 @dataclass(frozen=True)
@@ -351,8 +316,8 @@ class SpeculativeGenerator:
         while len(committed) - start < max_new_tokens:
             if method is None:
                 t = time.perf_counter()
-                verify_gen = step_generator(seed, Stream.VERIFY, len(committed) - 1)
-                new = [self.verifier.step_autoregressive(committed, params, verify_gen)]
+                rng = StepRandom(seed, Stream.VERIFY, len(committed) - 1)
+                new = [self.verifier.step_autoregressive(committed, params, rng)]
                 stats.verify_s += time.perf_counter() - t
             else:
                 budget = max_new_tokens - (len(committed) - start)
@@ -382,12 +347,12 @@ class SpeculativeGenerator:
         t = time.perf_counter()
         tree, self._next_tree = self._next_tree, None
         if tree is None:
-            tree = self.drafter.draft(committed, method, params, step_generator(seed, Stream.DRAFT, root_position))
+            tree = self.drafter.draft(committed, method, params, StepRandom(seed, Stream.DRAFT, root_position))
         stats.draft_forwards += self.drafter.num_forwards
         self.before_verify(Step(committed, tree, method, params, seed, finishes))
         t_verify = time.perf_counter()
-        verify_gen = step_generator(seed, Stream.VERIFY, root_position)
-        verdict = self.verifier.verify(committed, tree, method.rule(params.greedy), params, verify_gen)
+        rng = StepRandom(seed, Stream.VERIFY, root_position)
+        verdict = self.verifier.verify(committed, tree, method.rule(params.greedy), params, rng)
         t_accept = time.perf_counter()
         self._next_tree = self.after_verdict(committed, verdict, stats)
         if self._next_tree is None:

@@ -21,14 +21,14 @@ restored around each). draft_wave drafts several at once, each on a shadow runne
 drafter's runner as it was when tree t was sent, kept in sync by copying only what changed); the
 caller's side_by_side runs them in threads whose forwards pack into one per level
 (rsd_runtime.packed), so k trees cost little more than one. A hit on a shadow swaps it in as the
-drafter's runner. Exact the same way: the same prefix, path commit and step generator, on a copy
+drafter's runner. Exact the same way: the same prefix, path commit and step draws, on a copy
 of the same state; packing changes only the rounding of the draft logits, so (as in any batched
 forward) a seeded run may draft another tree at a near-tie, drawn from the law it carries.
 
 Exactness. The tree drafted after a verdict is a function of three things: the draft runner's state,
-the committed prefix, and the step's generator, step_generator(seed, DRAFT, root position). A
+the committed prefix, and the step's draws, StepRandom(seed, DRAFT, root position). A
 pre-draft for o starts from the runner state saved when tree t was sent, commits o's path exactly
-as Drafter.accept would, and drafts with o's prefix and o's step generator: the same forwards on
+as Drafter.accept would, and drafts with o's prefix and o's step draws: the same forwards on
 the same inputs as the loop without pre-drafting, so the same tree bit for bit, and the same
 runner state after it (saved, restored on a hit). On a miss, and between pre-drafts, the state
 saved at the send is restored. The verifier only ever sees the tree it would have seen. take()
@@ -54,6 +54,7 @@ from torch import Tensor
 
 from rsd.acceptance import Verdict
 from rsd.methods import Method
+from rsd.random import StepRandom, Stream
 from rsd.sampling import SamplingParams
 from rsd.tree import DraftTree, path_to
 from rsd_runtime.generator import (
@@ -64,9 +65,7 @@ from rsd_runtime.generator import (
     ModelProposal,
     SpeculativeGenerator,
     Step,
-    Stream,
     commit_path,
-    step_generator,
 )
 from rsd_runtime.runner import ModelRunner, RunnerState
 
@@ -219,12 +218,12 @@ class PreDrafter:
         self, drafter: Drafter, outcome: Outcome, stop: Callable[[], bool] | None
     ) -> tuple[list[int], DraftTree]:
         """What the loop without pre-drafting does after o's verdict, on `drafter` (whose runner holds
-        tree t's state): commit o's path, draft o's prefix with o's step generator. -> (prefix, tree)."""
+        tree t's state): commit o's path, draft o's prefix with o's step draws. -> (prefix, tree)."""
         path, token = outcome
         prefix = self.committed + self.tree.token_ids[list(path)].tolist() + [token]
         commit_path(drafter.runner, self.committed, self.sent.tentative_of, list(path))
-        generator = step_generator(self.seed, Stream.DRAFT, len(prefix) - 1)
-        return prefix, drafter.draft(prefix, self.method, self.params, generator, stop)
+        rng = StepRandom(self.seed, Stream.DRAFT, len(prefix) - 1)
+        return prefix, drafter.draft(prefix, self.method, self.params, rng, stop)
 
     def _draft(self, outcome: Outcome, stop: Callable[[], bool] | None) -> PreDraft:
         try:

@@ -26,6 +26,7 @@ import torch
 
 from rsd.acceptance import RULES, step_law, verify
 from rsd.drafting import DraftMode, draft_sbs, draft_spectr
+from rsd.random import StepRandom, Stream
 from tests import toy
 
 # (name, scale, sigma, T, mix) of the Monte Carlo pairs; "code-like": 70% near-certain, well-aligned
@@ -99,20 +100,19 @@ def _exact_one(method: str, width: int, depth: int, draft, target, vocab: int) -
 
 def mc_tokens_per_step(method: str, width: int, depth: int, draft, target, steps: int, seed: int = 0) -> dict:
     """Monte Carlo: mean tokens per step with its standard error, and where steps ended."""
-    gen = torch.Generator().manual_seed(seed)
     tokens, ends = [], {"bonus_full": 0, "leaf_above_depth": 0, "rejected": 0}
     nodes = distinct = 0
     for step in range(steps):  # each step in its own context: the root's law differs from step to step
         draft_at, target_at = at_context(draft, step), at_context(target, step)
-        proposal = toy.TableProposal(draft_at)
+        proposal, rng = toy.TableProposal(draft_at), StepRandom(seed, Stream.DRAFT, step)
         if method == "spectr":
-            tree, rule = draft_spectr(proposal, 0, width, depth, gen), RULES["kseq"]
+            tree, rule = draft_spectr(proposal, 0, width, depth, rng), RULES["kseq"]
         else:
-            tree, rule = draft_sbs(proposal, 0, width, depth, gen), RULES["rrs"]
+            tree, rule = draft_sbs(proposal, 0, width, depth, rng), RULES["rrs"]
         nodes += tree.token_ids.numel() - 1
         ids, parents = tree.token_ids, tree.parent_idx
         distinct += len({toy.path_tokens(ids, parents, n) for n in range(1, ids.numel())})
-        verdict = verify(tree, toy.target_probs_for(tree, target_at), rule, gen)
+        verdict = verify(tree, toy.target_probs_for(tree, target_at), rule, StepRandom(seed, Stream.VERIFY, step))
         tokens.append(len(verdict.token_ids))
         accepted = len(verdict.accepted_idx)
         key = "rejected" if not verdict.is_bonus else ("bonus_full" if accepted == depth else "leaf_above_depth")

@@ -111,7 +111,7 @@ def test_packed_verifier_matches_per_path_causal(arch_root, arch):
             token_ids = torch.cat([torch.tensor([prompt[-1]]), tokens])  # [1 + n]: node 0 is the root
             parent_idx = torch.cat([torch.tensor([-1]), torch.where(parents < 0, 0, parents + 1)])
             tree = DraftTree(token_ids, parent_idx, torch.full((8, 96), 1 / 96))
-            requests.append(VerifyRequest(f"s{i}", prompt, tree, RULES["greedy"], SamplingParams(0), torch.Generator()))
+            requests.append(VerifyRequest(f"s{i}", prompt, tree, RULES["greedy"], SamplingParams(0)))
             trees.append((tokens, parents))
         logits = engine.score_batch(requests)
         for prompt, lg, (tokens, parents) in zip(prompts, logits, trees, strict=True):

@@ -12,12 +12,14 @@ from torch import Tensor
 
 from rsd.acceptance import RULES, rrs, step_law, verify
 from rsd.drafting import DraftMode
+from rsd.random import StepRandom, Stream
 from tests import toy
 
 WOR, IID, GREEDY = DraftMode.WITHOUT_REPLACEMENT, DraftMode.IID, DraftMode.GREEDY
 
 V = 4
 TOL = 1e-9
+RNG = StepRandom(0, Stream.VERIFY, 0)
 
 # (draft table, target table) pairs covering the corner cases the proof must survive.
 CASES = {
@@ -197,7 +199,7 @@ def test_child_outside_its_draft_law_raises(rule, q_of_child):
     tree = _one_level_tree(p, [1, 2])
     target_probs = q.expand(3, -1).clone()  # [N, V]
     with pytest.raises(ValueError, match=r"node 2 \(token 2\) has probability 0 under the draft law p at node 0"):
-        verify(tree, target_probs, RULES[rule], torch.Generator().manual_seed(0))
+        verify(tree, target_probs, RULES[rule], RNG)
     with pytest.raises(ValueError, match="node 2"):
         step_law(tree, target_probs, RULES[rule])
 
@@ -205,7 +207,7 @@ def test_child_outside_its_draft_law_raises(rule, q_of_child):
 def test_greedy_rule_does_not_read_the_draft_law():
     tree = _one_level_tree(torch.tensor([1.0, 0.0, 0.0, 0.0], dtype=torch.float64), [2])
     target_probs = torch.tensor([[0.0, 0, 1, 0]] * 2, dtype=torch.float64)
-    assert verify(tree, target_probs, RULES["greedy"], torch.Generator().manual_seed(0)).accepted_ids == [2]
+    assert verify(tree, target_probs, RULES["greedy"], RNG).accepted_ids == [2]
 
 
 @pytest.mark.parametrize(
@@ -226,15 +228,18 @@ def test_non_finite_laws_raise(where, message, bad):
     else:
         target_probs[0 if where == "target_root" else 1, 3] = bad
     with pytest.raises(ValueError, match=message):
-        verify(tree, target_probs, RULES["rrs"], torch.Generator().manual_seed(0))
+        verify(tree, target_probs, RULES["rrs"], RNG)
     with pytest.raises(ValueError, match=message):
         step_law(tree, target_probs, RULES["rrs"])
 
 
-def test_verify_needs_an_explicit_generator_and_matching_shapes():
+def test_verify_needs_its_draws_matching_shapes_and_one_device():
     tree = _one_level_tree(WORKED_P, [1])
     target_probs = WORKED_Q.expand(2, -1).clone()
-    with pytest.raises(TypeError, match=r"torch\.Generator"):
+    with pytest.raises(ValueError, match="needs the step's random stream"):
         verify(tree, target_probs, RULES["rrs"], None)
+    assert verify(tree, target_probs.new_tensor([[0.0, 1, 0, 0]] * 2), RULES["greedy"], None).token_ids == [1, 1]
     with pytest.raises(ValueError, match=r"\[N, V\]"):
-        verify(tree, target_probs[:, :3], RULES["rrs"], torch.Generator())
+        verify(tree, target_probs[:, :3], RULES["rrs"], RNG)
+    with pytest.raises(ValueError, match="one device"):  # meta: a second device on a CPU-only machine
+        verify(tree, target_probs.to("meta"), RULES["rrs"], RNG)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from rsd.methods import Method
+from rsd.random import StepRandom, Stream
 from rsd.sampling import SamplingParams
 from rsd_runtime.generator import Finish, SpeculativeGenerator, cut_step, finishes
 from rsd_runtime.kvcache import common_prefix_length
@@ -184,7 +185,9 @@ def test_pruned_draft_vocabulary_stays_exact(tmp_path):
         out = gen.generate(prompt, Method.parse("rsd_c", "3,2,1"), SamplingParams(0), max_new_tokens=10)
         assert out.token_ids == target_greedy(target, prompt, 10)
     gen.drafter.runner.reset()
-    tree = gen.drafter.draft(PROMPTS[0], Method.parse("rsd_s", "3x3"), SamplingParams(1.0), torch.Generator())
+    tree = gen.drafter.draft(
+        PROMPTS[0], Method.parse("rsd_s", "3x3"), SamplingParams(1.0), StepRandom(0, Stream.DRAFT, 0)
+    )
     assert (tree.draft_probs[:, 100:] == 0).all() and (tree.token_ids[1:] < 100).all()
 
 

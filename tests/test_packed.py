@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from rsd.methods import Method
+from rsd.random import StepRandom, Stream
 from rsd.sampling import SamplingParams
 from rsd_runtime.attention import check_model
-from rsd_runtime.generator import Drafter, Stream, step_generator
+from rsd_runtime.generator import Drafter
 from rsd_runtime.packed import PackedForwards, forward_packed
 from rsd_runtime.runner import ModelRunner
 from tests.architectures import ARCHS, build
@@ -135,7 +136,7 @@ def test_concurrent_drafts_are_packed_and_draft_what_they_draft_alone(model, tem
     method, params = Method.parse("rsd_s", "3x3"), SamplingParams(temperature=temperature)
     alone = []  # fresh runners: each first forward catches up its prompt (chains of different lengths)
     for i, r in enumerate(ModelRunner(model, 64) for _ in PROMPTS):
-        gen = step_generator(i, Stream.DRAFT, len(PROMPTS[i]) - 1)
+        gen = StepRandom(i, Stream.DRAFT, len(PROMPTS[i]) - 1)
         alone.append(Drafter(r).draft(PROMPTS[i], method, params, gen))
 
     packer = PackedForwards(model, 3 * 64, wait_s=5.0)  # long wait: every level packs all three
@@ -146,7 +147,7 @@ def test_concurrent_drafts_are_packed_and_draft_what_they_draft_alone(model, tem
         try:
             with packer.drafting():
                 ready.wait(timeout=60)
-                gen = step_generator(i, Stream.DRAFT, len(PROMPTS[i]) - 1)
+                gen = StepRandom(i, Stream.DRAFT, len(PROMPTS[i]) - 1)
                 trees[i] = Drafter(rs[i], forward=packer.forward).draft(PROMPTS[i], method, params, gen)
         except Exception as e:  # surfaced below
             errors.append(e)

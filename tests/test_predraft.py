@@ -19,8 +19,9 @@ from drafter_service import engine as drafter_engine
 from drafter_service.config import DrafterConfig
 from rsd.acceptance import Verdict
 from rsd.methods import Method
+from rsd.random import Draw, StepRandom, Stream
 from rsd.sampling import SamplingParams
-from rsd_runtime.generator import Drafter, SpeculativeGenerator, Stream, step_generator, step_seed
+from rsd_runtime.generator import Drafter, SpeculativeGenerator
 from rsd_runtime.models import load_model
 from rsd_runtime.predraft import PipelinedGenerator, PreDrafter, PreDraftMismatchError, outcome_of
 from rsd_runtime.runner import ModelRunner
@@ -55,19 +56,24 @@ def _predraft_all(pre: PreDrafter, halt, arrived, deadline, limit, width=1, side
 # 1. counter-based streams
 
 
-def test_step_seed_is_stable_and_separates_streams_and_positions():
-    # Golden values: the mixing function is part of the reproducibility contract (README).
-    assert step_seed(0, Stream.DRAFT, 0) == 2558736989570252433
-    assert step_seed(0, Stream.VERIFY, 0) == 4964578127960768432
-    assert step_seed(7, Stream.DRAFT, 12) == 7032518838138280033
-    assert step_seed(2**64 - 1, Stream.VERIFY, 4095) == 3755610071989516943
-    keys = {(s, st, p) for s in range(20) for st in Stream for p in range(200)}
-    assert len({step_seed(*k) for k in keys}) == len(keys)
-    a = torch.rand(4, generator=step_generator(3, Stream.DRAFT, 9), dtype=torch.float64)
-    b = torch.rand(4, generator=step_generator(3, Stream.DRAFT, 9), dtype=torch.float64)
-    assert torch.equal(a, b)
+def test_step_draws_are_stable_and_separate_streams_and_positions():
+    # Golden values: the draws are part of the reproducibility contract (README); tests/test_random.py
+    # checks their generator and that no two keys collide.
+    ids = torch.arange(3)
+    assert StepRandom(0, Stream.DRAFT, 0).uniform(Draw.GUMBEL, 0, ids).tolist() == [
+        0.3990464708489646,
+        0.7357127844834425,
+        0.9722412015223157,
+    ]
+    assert torch.equal(
+        StepRandom(3, Stream.DRAFT, 9).uniform(Draw.GUMBEL, 0, ids), StepRandom(3, 0, 9).uniform(0, 0, ids)
+    )
+    assert not torch.equal(
+        StepRandom(3, Stream.DRAFT, 9).uniform(Draw.GUMBEL, 0, ids),
+        StepRandom(3, Stream.VERIFY, 9).uniform(Draw.GUMBEL, 0, ids),
+    )
     with pytest.raises(ValueError, match="root_position"):
-        step_seed(0, Stream.DRAFT, -1)
+        StepRandom(0, Stream.DRAFT, -1)
 
 
 class _StepRoots(SpeculativeGenerator):
@@ -159,7 +165,7 @@ def test_a_tree_for_another_outcome_is_caught(pair):
     draft, _ = pair
     drafter = Drafter(ModelRunner(draft, MAX_LEN))
     method, params = Method.parse("rsd_c", "2,2"), SamplingParams(1.0)
-    tree = drafter.draft(PROMPT, method, params, step_generator(1, Stream.DRAFT, len(PROMPT) - 1))
+    tree = drafter.draft(PROMPT, method, params, StepRandom(1, Stream.DRAFT, len(PROMPT) - 1))
     pre = PreDrafter(drafter, method, params, seed=1, max_outcomes=2)
     pre.begin(PROMPT, tree, finishes=lambda tokens: False)
     assert pre.draft_next() and pre.draft_next()
@@ -188,7 +194,7 @@ def test_the_verdicts_own_tree_is_finished_after_it_arrives_and_the_others_dropp
     method, params = Method.parse("rsd_s", "2x3"), SamplingParams(1.0)
     for verdict_is_first in (True, False):
         drafter = Drafter(ModelRunner(draft, MAX_LEN))
-        tree = drafter.draft(PROMPT, method, params, step_generator(1, Stream.DRAFT, len(PROMPT) - 1))
+        tree = drafter.draft(PROMPT, method, params, StepRandom(1, Stream.DRAFT, len(PROMPT) - 1))
         pre = PreDrafter(drafter, method, params, seed=1, max_outcomes=3)
         pre.begin(PROMPT, tree, finishes=lambda tokens: False)
         first, second = pre.rank(None)[:2]
@@ -205,7 +211,7 @@ def test_the_verdicts_own_tree_is_finished_after_it_arrives_and_the_others_dropp
         assert list(pre.drafts) == ([first] if verdict_is_first else [])
         if verdict_is_first:
             other = Drafter(ModelRunner(draft, MAX_LEN))  # the same tree pre-drafted without interruption
-            other.draft(PROMPT, method, params, step_generator(1, Stream.DRAFT, len(PROMPT) - 1))
+            other.draft(PROMPT, method, params, StepRandom(1, Stream.DRAFT, len(PROMPT) - 1))
             whole = PreDrafter(other, method, params, seed=1, max_outcomes=3)
             whole.begin(PROMPT, tree, finishes=lambda tokens: False)
             assert whole.draft_next() and list(whole.drafts) == [first]

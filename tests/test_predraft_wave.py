@@ -19,8 +19,9 @@ from drafter_service import engine as drafter_engine
 from drafter_service.config import DrafterConfig
 from rsd.acceptance import Verdict
 from rsd.methods import Method
+from rsd.random import StepRandom, Stream
 from rsd.sampling import SamplingParams
-from rsd_runtime.generator import Drafter, Stream, step_generator
+from rsd_runtime.generator import Drafter
 from rsd_runtime.models import load_model
 from rsd_runtime.predraft import PreDrafter, PreDraftMismatchError, outcome_of
 from rsd_runtime.runner import ModelRunner
@@ -64,7 +65,7 @@ def test_a_shadow_tree_for_another_outcome_is_caught_and_a_miss_leaves_the_runne
     drafter = Drafter(ModelRunner(draft, MAX_LEN))
     runner = drafter.runner
     method, params = Method.parse("rsd_c", "2,2"), SamplingParams(1.0)
-    tree = drafter.draft(PROMPT, method, params, step_generator(1, Stream.DRAFT, len(PROMPT) - 1))
+    tree = drafter.draft(PROMPT, method, params, StepRandom(1, Stream.DRAFT, len(PROMPT) - 1))
     pre = PreDrafter(drafter, method, params, seed=1, max_outcomes=2)
     pre.begin(PROMPT, tree, finishes=lambda tokens: False)
     before = _keys(runner).clone()
@@ -87,10 +88,10 @@ def test_a_shadow_tree_for_another_outcome_is_caught_and_a_miss_leaves_the_runne
     shadow = pre.drafts[(path, token)].runner
     assert pre.take(hit) is pre.drafts[(path, token)].tree and drafter.runner is shadow and runner in pre.shadows
     fresh = Drafter(ModelRunner(draft, MAX_LEN))
-    fresh.draft(PROMPT, method, params, step_generator(1, Stream.DRAFT, len(PROMPT) - 1))
+    fresh.draft(PROMPT, method, params, StepRandom(1, Stream.DRAFT, len(PROMPT) - 1))
     fresh.accept(PROMPT, hit)
     prefix = PROMPT + hit.token_ids
-    fresh_tree = fresh.draft(prefix, method, params, step_generator(1, Stream.DRAFT, len(prefix) - 1))
+    fresh_tree = fresh.draft(prefix, method, params, StepRandom(1, Stream.DRAFT, len(prefix) - 1))
     assert torch.equal(fresh_tree.token_ids, pre.drafts[(path, token)].tree.token_ids)
     assert torch.equal(_keys(fresh.runner), _keys(shadow))
 
@@ -101,7 +102,7 @@ def test_a_wave_keeps_the_verdicts_own_tree_and_drops_the_others(pair):
     draft, _ = pair
     method, params = Method.parse("rsd_s", "2x3"), SamplingParams(1.0)
     drafter = Drafter(ModelRunner(draft, MAX_LEN))
-    tree = drafter.draft(PROMPT, method, params, step_generator(1, Stream.DRAFT, len(PROMPT) - 1))
+    tree = drafter.draft(PROMPT, method, params, StepRandom(1, Stream.DRAFT, len(PROMPT) - 1))
     pre = PreDrafter(drafter, method, params, seed=1, max_outcomes=4)
     pre.begin(PROMPT, tree, finishes=lambda tokens: False)
     first, second = pre.rank(None)[:2]

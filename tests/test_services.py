@@ -445,7 +445,7 @@ def test_batcher_isolates_a_refused_request(models):
         batcher = Batcher(engine, max_batch_nodes=512, batch_wait_ms=50.0)
         batcher.start()
         try:
-            greedy = (RULES["greedy"], SamplingParams(0), torch.Generator().manual_seed(0))
+            greedy = (RULES["greedy"], SamplingParams(0), None)
             good = VerifyRequest("ok", PROMPT, valid_tree(PROMPT[-1], vocab), *greedy)
             ghost = VerifyRequest("ghost", PROMPT, valid_tree(PROMPT[-1], vocab), *greedy)
             outcomes = await asyncio.gather(

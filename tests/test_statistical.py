@@ -11,6 +11,7 @@ import torch
 
 from rsd.acceptance import RULES, verify
 from rsd.drafting import DraftMode, draft_sbs, draft_spectr, draft_tree
+from rsd.random import StepRandom, Stream
 from tests import toy
 
 WOR, IID = DraftMode.WITHOUT_REPLACEMENT, DraftMode.IID
@@ -84,9 +85,9 @@ def test_drafted_trees_follow_the_enumerated_law(name):
     law = {}
     for t, p in tree_law(draft):  # several full trees can share a cut
         law[_key(t)] = law.get(_key(t), 0.0) + p
-    g, n, counts = torch.Generator().manual_seed(0), 6000, {}
-    for _ in range(n):
-        k = _key(sample_tree(draft, g))
+    n, counts = 6000, {}
+    for i in range(n):  # trial i draws at root position i: fresh counters, as successive steps are
+        k = _key(sample_tree(draft, StepRandom(0, Stream.DRAFT, i)))
         counts[k] = counts.get(k, 0) + 1
     assert chi_square_pvalue(counts, law, n) > P_MIN
 
@@ -100,10 +101,11 @@ PIPELINES = {  # drafter, rule, depth
 
 
 def _emitted_counts(drafter, rule, depth, draft, target, n, seed):
-    g, counts = torch.Generator().manual_seed(seed), {}
-    for _ in range(n):
-        tree = drafter(draft, g)
-        tokens = tuple(verify(tree, toy.target_probs_for(tree, target), RULES[rule], g).token_ids)
+    g, counts = torch.Generator().manual_seed(seed), {}  # g: the test's own finishing draws
+    for i in range(n):
+        tree = drafter(draft, StepRandom(seed, Stream.DRAFT, i))
+        rng = StepRandom(seed, Stream.VERIFY, i)
+        tokens = tuple(verify(tree, toy.target_probs_for(tree, target), RULES[rule], rng).token_ids)
         while len(tokens) < depth + 1:  # finish with plain target sampling, as the exact test does
             tokens += (int(torch.multinomial(target(tokens), 1, generator=g)),)
         counts[tokens[: depth + 1]] = counts.get(tokens[: depth + 1], 0) + 1

@@ -4,7 +4,8 @@ import pathlib
 import pytest
 import torch
 
-from rsd.drafting import DraftMode, draft_sbs, draft_tree
+from rsd.drafting import draft_tree
+from rsd.random import Draw, StepRandom, Stream
 from rsd.sampling import (
     SamplingParams,
     gumbel_top_k,
@@ -148,11 +149,19 @@ def test_logits_to_probs_temperature_and_greedy():
 
 
 def test_sample_and_gumbel_top_k_respect_support():
-    g = torch.Generator().manual_seed(0)
+    rng = StepRandom(0, Stream.DRAFT, 0)
     probs = torch.tensor([[0.0, 0.5, 0.5, 0.0]]).expand(200, -1)
-    assert set(sample(probs, g).tolist()) == {1, 2}
-    ids, valid = gumbel_top_k(probs[:1], 3, g)
+    assert set(sample(probs, rng.uniform(Draw.IID, 0, torch.arange(200))).tolist()) == {1, 2}
+    ids, valid = gumbel_top_k(probs[:1], 3, rng, torch.tensor([0]))
     assert valid.tolist() == [[True, True, False]] and set(ids[0, :2].tolist()) == {1, 2}
+
+
+def test_sample_inverts_the_cumulative_law():
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0]], dtype=torch.float64).expand(6, -1)
+    u = torch.tensor([1e-16, 0.2499, 0.2501, 0.9, 1 - 2**-53, 1.0], dtype=torch.float64)  # 1.0: u * mass rounding up
+    assert sample(probs, u).tolist() == [1, 1, 3, 3, 3, 3]  # never a zero-probability id
+    with pytest.raises(ValueError, match="one uniform per row"):
+        sample(probs, u[:2])
 
 
 @pytest.mark.parametrize(
@@ -163,25 +172,15 @@ def test_samplers_refuse_a_row_that_is_not_a_law(row):
     """argmax over an all-zero or NaN row would silently return token 0."""
     probs = torch.tensor([[0.25, 0.25, 0.25, 0.25], row])
     with pytest.raises(ValueError, match=r"row 1 of \(2,\)\) is not a law"):
-        sample(probs, torch.Generator().manual_seed(0))
+        sample(probs, torch.full((2,), 0.5, dtype=torch.float64))
     with pytest.raises(ValueError, match="not a law"):
-        gumbel_top_k(probs, 2, torch.Generator().manual_seed(0))
+        gumbel_top_k(probs, 2, StepRandom(0, Stream.DRAFT, 0), torch.tensor([0, 1]))
 
 
-def test_random_functions_need_an_explicit_generator():
-    probs = torch.tensor([[0.5, 0.5]])
-    proposal = lambda token_ids, parent_idx, node_idx: probs.expand(len(node_idx), -1)  # noqa: E731
-    calls = [
-        lambda: sample(probs, None),
-        lambda: gumbel_top_k(probs, 1, None),
-        lambda: draft_tree(proposal, 0, [1], DraftMode.GREEDY, None),
-        lambda: draft_sbs(proposal, 0, 1, 1, None, greedy=True),
-    ]
-    for call in calls:
-        with pytest.raises(TypeError, match=r"torch\.Generator"):
-            call()
+def test_draft_tree_refuses_an_unknown_mode():
+    proposal = lambda token_ids, parent_idx, node_idx: torch.tensor([[0.5, 0.5]]).expand(len(node_idx), -1)  # noqa: E731
     with pytest.raises(ValueError, match="DraftMode"):
-        draft_tree(proposal, 0, [1], "beam", torch.Generator())
+        draft_tree(proposal, 0, [1], "beam", StepRandom(0, Stream.DRAFT, 0))
 
 
 def test_algorithm_package_is_pure():

@@ -9,15 +9,14 @@ import torch
 
 from rsd.acceptance import RULES
 from rsd.methods import Method
+from rsd.random import StepRandom, Stream
 from rsd.sampling import SamplingParams
 from rsd.tree import DraftTree
 from rsd_runtime.generator import (
     Drafter,
     SpeculativeGenerator,
-    Stream,
     Verifier,
     forward_with_catch_up,
-    step_generator,
 )
 from rsd_runtime.models import load_model
 from rsd_runtime.runner import ModelRunner
@@ -57,15 +56,12 @@ def random_tree(root: int, parents: list[int], vocab: int, seed: int) -> DraftTr
     return DraftTree(tokens, torch.tensor(parents), probs)
 
 
-def _gen(seed: int = 0) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
+def _rng(seed: int = 0) -> StepRandom:
+    return StepRandom(seed, Stream.VERIFY, 0)
 
 
 def requests_for(committed: dict[str, list[int]], trees: dict[str, DraftTree], seed: int) -> list[VerifyRequest]:
-    return [
-        VerifyRequest(s, committed[s], trees[s], *RULE_PARAMS[i], torch.Generator().manual_seed(seed + i))
-        for i, s in enumerate(committed)
-    ]
+    return [VerifyRequest(s, committed[s], trees[s], *RULE_PARAMS[i], _rng(seed + i)) for i, s in enumerate(committed)]
 
 
 def test_packed_step_matches_each_session_alone(pair):
@@ -90,9 +86,7 @@ def test_packed_step_matches_each_session_alone(pair):
             ref_logits = forward_with_catch_up(runner, committed[s], req.tree.token_ids, req.tree.parent_idx)
             runner.commit(list(range(runner.num_tentative - req.tree.num_nodes)))  # keep the chain only
             torch.testing.assert_close(packed[i], ref_logits, atol=ATOL, rtol=0)
-            ref = Verifier(runner).verify(
-                committed[s], req.tree, req.rule, req.params, torch.Generator().manual_seed(100 * step + i)
-            )
+            ref = Verifier(runner).verify(committed[s], req.tree, req.rule, req.params, _rng(100 * step + i))
             assert verdicts[i] == ref
             committed[s] = committed[s] + ref.token_ids
             assert engine.cached_length(s) == runner.cache_len == len(committed[s]) - 1
@@ -120,7 +114,7 @@ def test_sessions_joining_and_leaving_match_generator(pair):
     engine.verify_batch(
         [
             VerifyRequest(
-                "warm-up", [2, 3], random_tree(3, [-1, 0], target.config.vocab_size, 0), *RULE_PARAMS[0], _gen()
+                "warm-up", [2, 3], random_tree(3, [-1, 0], target.config.vocab_size, 0), *RULE_PARAMS[0], _rng()
             )
         ]
     )
@@ -143,8 +137,8 @@ def test_sessions_joining_and_leaving_match_generator(pair):
         reqs, before = [], {}
         for s, (committed, drafter, seed) in state.items():
             _, method, params, _, _ = jobs[s]
-            draft_gen = step_generator(seed, Stream.DRAFT, len(committed) - 1)
-            verify_gen = step_generator(seed, Stream.VERIFY, len(committed) - 1)
+            draft_gen = StepRandom(seed, Stream.DRAFT, len(committed) - 1)
+            verify_gen = StepRandom(seed, Stream.VERIFY, len(committed) - 1)
             tree = drafter.draft(committed, method, params, draft_gen)
             reqs.append(VerifyRequest(s, committed, tree, method.rule(params.greedy), params, verify_gen))
             before[s] = list(committed)
@@ -176,7 +170,7 @@ def test_pool_full_unknown_session_and_release(pair):
             call()
     tree = random_tree(3, [-1, 0], target.config.vocab_size, 0)
     with pytest.raises(UnknownSessionError):
-        engine.verify_batch([VerifyRequest("x", [2, 3], tree, RULES["greedy"], SamplingParams(0), _gen())])
+        engine.verify_batch([VerifyRequest("x", [2, 3], tree, RULES["greedy"], SamplingParams(0), _rng())])
     engine.release("a")
     assert engine.num_free_slots == 1
     assert engine.attach("c", [2]) == 0
@@ -190,7 +184,7 @@ def test_attach_crops_and_bad_requests(pair):
     engine = VerifierPool(target, num_slots=2, max_len=16)
     committed = [2, 5, 6, 7, 8]
     engine.attach("a", committed)
-    greedy = (RULES["greedy"], SamplingParams(0), _gen())
+    greedy = (RULES["greedy"], SamplingParams(0), _rng())
     verdict = engine.verify_batch([VerifyRequest("a", committed, random_tree(8, [-1, 0], vocab, 1), *greedy)])[0]
     committed = committed + verdict.token_ids
     assert engine.cached_length("a") == len(committed) - 1
@@ -215,7 +209,7 @@ def test_attach_crops_and_bad_requests(pair):
     dup = DraftTree(torch.tensor([4, 9, 9]), torch.tensor([-1, 0, 0]), torch.full((3, vocab), 1 / vocab))
     good = VerifyRequest("a", [2, 5, 9, 9], tree, *greedy)
     with pytest.raises(BatchVerifyError) as info:
-        engine.verify_batch([good, VerifyRequest("b", [2, 4], dup, RULES["rrs"], SamplingParams(1.0), _gen())])
+        engine.verify_batch([good, VerifyRequest("b", [2, 4], dup, RULES["rrs"], SamplingParams(1.0), _rng())])
     assert set(info.value.errors) == {"b"} and info.value.verdicts[1] is None
     assert engine.cached_length("a") == 4 + len(info.value.verdicts[0].accepted_ids)
     assert engine.cached_length("b") == 0
@@ -230,15 +224,15 @@ def test_eager_attention_packed_logits(tmp_path_factory):
     reqs = []
     for i, (prompt, shape) in enumerate(zip(PROMPTS, SHAPES, strict=True)):
         engine.attach(str(i), prompt)
-        reqs.append(VerifyRequest(str(i), prompt, random_tree(prompt[-1], shape, vocab, i), *RULE_PARAMS[0], _gen()))
+        reqs.append(VerifyRequest(str(i), prompt, random_tree(prompt[-1], shape, vocab, i), *RULE_PARAMS[0], _rng()))
     for req, packed in zip(reqs, engine.score_batch(reqs), strict=True):
         t = req.tree
         ref = forward_with_catch_up(ModelRunner(target, 32), req.committed_ids, t.token_ids, t.parent_idx)
         torch.testing.assert_close(packed, ref, atol=ATOL, rtol=0)
 
 
-def test_generator_is_needed_only_when_sampling(pair):
-    """VerifyRequest.generator None is greedy's: same verdict as with one; sampling without one is refused."""
+def test_draws_are_needed_only_when_sampling(pair):
+    """VerifyRequest.rng None is greedy's: same verdict as with draws; sampling without them is refused."""
     _, target = pair
     vocab = target.config.vocab_size
     engine = VerifierPool(target, num_slots=2, max_len=32)
@@ -247,11 +241,11 @@ def test_generator_is_needed_only_when_sampling(pair):
         engine.attach(s, [2, 5, 6])
     greedy = (RULES["greedy"], SamplingParams(0))
     with_none, with_gen = engine.verify_batch(
-        [VerifyRequest("none", [2, 5, 6], tree, *greedy), VerifyRequest("gen", [2, 5, 6], tree, *greedy, _gen(7))]
+        [VerifyRequest("none", [2, 5, 6], tree, *greedy), VerifyRequest("gen", [2, 5, 6], tree, *greedy, _rng(7))]
     )
     assert with_none == with_gen
     assert engine.cached_length("none") == engine.cached_length("gen")
-    with pytest.raises(ValueError, match="needs a generator"):
+    with pytest.raises(ValueError, match="needs its draws"):
         engine.verify_batch([VerifyRequest("none", [2, 5, 6], tree, RULES["rrs"], SamplingParams(1.0))])
 
 

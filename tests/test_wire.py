@@ -14,6 +14,7 @@ import torch
 
 from rsd.acceptance import RULES, Verdict, verify
 from rsd.methods import METHOD_NAMES, Method
+from rsd.random import StepRandom, Stream
 from rsd.sampling import SamplingParams
 from rsd.tree import DraftTree
 from rsd_wire import (
@@ -171,14 +172,14 @@ def test_laws_take_the_smaller_form():
 
 def test_a_drafted_tree_verifies_the_same_after_the_wire():
     table = transformed(random_table(seed=3, vocab=30), top_k=4)
-    tree = Method.parse("rsd_c", "3,2").draft(TableProposal(table), 7, torch.Generator().manual_seed(1), greedy=False)
+    tree = Method.parse("rsd_c", "3,2").draft(TableProposal(table), 7, StepRandom(1, Stream.DRAFT, 0), greedy=False)
     msg = draft_tree_to_proto(tree, **KEY)
     assert all(law.HasField("token_ids") and list(law.probs.shape) == [4] for law in msg.laws)
     back = draft_tree_from_proto(msg, vocab_size=30)
     target_probs = target_probs_for(tree, random_table(seed=4, vocab=30))  # [N, V]
     for seed in range(5):
-        ours = verify(tree, target_probs, RULES["rrs"], torch.Generator().manual_seed(seed))
-        theirs = verify(back, target_probs, RULES["rrs"], torch.Generator().manual_seed(seed))
+        ours = verify(tree, target_probs, RULES["rrs"], StepRandom(seed, Stream.VERIFY, 0))
+        theirs = verify(back, target_probs, RULES["rrs"], StepRandom(seed, Stream.VERIFY, 0))
         assert ours == theirs
 
 

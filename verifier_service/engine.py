@@ -10,7 +10,7 @@ positions [0, cached_len). One verify_batch call:
     2. runs the target once; every layer writes each segment's new K/V into its own slot right after
        cached_len_i, and attends with a block-diagonal float mask: a node of session i sees session i's
        cached prefix, its catch-up chain and its own tree ancestors only
-    3. walks each tree with its own rule and generator (rsd.acceptance.verify)
+    3. walks each tree with its own rule and draws (rsd.acceptance.verify), on the target's device
     4. moves the accepted nodes' K/V (inside the slot) right after the chain and root; the rest is
        overwritten later. No whole-cache copy ever happens.
 
@@ -28,6 +28,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from rsd.acceptance import Rule, Verdict, verify
+from rsd.random import StepRandom
 from rsd.sampling import SamplingParams, logits_to_probs
 from rsd.tree import DraftTree, node_depths, tree_attention_mask, validate_tree
 from rsd_runtime.attention import check_model
@@ -61,19 +62,16 @@ class VerifyRequest:
     tree: DraftTree
     rule: Rule
     params: SamplingParams
-    # The step's acceptance draws: step_generator(seed, Stream.VERIFY, root position). Required when
+    # The step's acceptance draws: StepRandom(seed, Stream.VERIFY, root position). Required when
     # sampling (T > 0); None is greedy's (T = 0: every law is one-hot, so no draw decides anything).
-    generator: torch.Generator | None = None
+    rng: StepRandom | None = None
 
-    def acceptance_generator(self) -> torch.Generator:
-        """The generator verify() draws from; raises ValueError when sampling has none."""
-        if self.generator is not None:
-            return self.generator
-        if not self.params.greedy:
+    def check_rng(self) -> None:
+        """ValueError when a sampling request comes without its draws."""
+        if self.rng is None and not self.params.greedy:
             raise ValueError(
-                f"session {self.session_id!r}: sampling at temperature {self.params.temperature} needs a generator"
+                f"session {self.session_id!r}: sampling at temperature {self.params.temperature} needs its draws"
             )
-        return torch.Generator()  # greedy: its draws cannot change the verdict
 
 
 class VerifierPool:
@@ -135,8 +133,8 @@ class VerifierPool:
         errors: dict[str, Exception] = {}
         for req, seg, lg in zip(requests, segments, logits, strict=True):
             try:
-                probs = logits_to_probs(lg, req.params).to(req.tree.draft_probs.dtype)  # [N, V]
-                verdict = verify(req.tree, probs, req.rule, req.acceptance_generator())
+                probs = logits_to_probs(lg, req.params)  # [N, V] float32 at least, on the target's device
+                verdict = verify(req.tree.to(probs.device), probs, req.rule, req.rng)
             except Exception as e:  # one bad tree must not cost the others their step
                 verdicts.append(None)
                 errors[req.session_id] = e
@@ -214,7 +212,7 @@ class VerifierPool:
             seen.add(req.session_id)
             if not req.committed_ids:
                 raise ValueError(f"session {req.session_id!r}: committed_ids is empty")
-            req.acceptance_generator()  # refuse a sampling request without one before the forward
+            req.check_rng()  # refuse a sampling request without its draws before the forward
             tree = req.tree
             validate_tree(tree.token_ids, tree.parent_idx, self.vocab_size)
             if int(tree.token_ids[0]) != req.committed_ids[-1]:

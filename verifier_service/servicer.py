@@ -2,7 +2,7 @@
 
 Per session it keeps what verifier.proto asks the verifier to know: the attached epoch, the
 committed sequence (set by Attach, extended by each verdict), the sampling params and acceptance
-rule, the seed (each step's acceptance draws come from step_generator(seed, Stream.VERIFY, root
+rule, the seed (each step's acceptance draws come from StepRandom(seed, Stream.VERIFY, root
 position), as in the in-process SpeculativeGenerator, so a run reproduces it token for token), and
 the last verified step with its verdict for idempotent retries.
 
@@ -23,8 +23,8 @@ import grpc
 
 from rsd.acceptance import Rule, Verdict
 from rsd.methods import Method
+from rsd.random import StepRandom, Stream
 from rsd.sampling import SamplingParams
-from rsd_runtime.generator import Stream, step_generator
 from rsd_service.registry import check_id
 from rsd_service.status import RpcError, abort
 from rsd_wire import common_pb2, verifier_pb2, verifier_pb2_grpc
@@ -43,7 +43,7 @@ class _Session:
     params: SamplingParams
     method: Method
     rule: Rule
-    seed: int  # acceptance draws: step_generator(seed, Stream.VERIFY, root_position)
+    seed: int  # acceptance draws: StepRandom(seed, Stream.VERIFY, root_position)
     cached_at_attach: int  # AttachResponse.cached_length_tokens
     last_tree: bytes = b""  # the last verified DraftTree, serialized, and its verdict
     last_verdict: verifier_pb2.Verdict | None = None
@@ -214,8 +214,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 raise ValueError(
                     f"{root_position} cached + {tree.num_nodes} tree tokens exceed max_len={self.engine.max_len}"
                 )
-            generator = step_generator(session.seed, Stream.VERIFY, root_position)
-            request = VerifyRequest(sid, list(session.committed), tree, session.rule, session.params, generator)
+            rng = StepRandom(session.seed, Stream.VERIFY, root_position)
+            request = VerifyRequest(sid, list(session.committed), tree, session.rule, session.params, rng)
             num_new = root_position - self.engine.cached_length(sid) + tree.num_nodes  # prefill chain + tree
             serialized = msg.SerializeToString(deterministic=True)
 
