@@ -7,7 +7,9 @@ so every rule that depends on positions is applied here, by position:
     full attention      allowed
     sliding window W    allowed and q_pos - k_pos < W   (transformers' sliding_window_overlay)
 Attention itself is transformers' sdpa, except that a grouped-query layer attends per key/value head
-(grouped_sdpa below) instead of copying every key and value once per query head.
+(grouped_sdpa below) instead of copying every key and value once per query head, and that on a CPU with
+AVX2 every query row is reduced alone over its own visible keys (row_sdpa: rsd_runtime.row_attention), so a
+tree node's output is bit for bit the one-token step's, in any packed batch.
 How a model takes its masks:
     one mask            every layer gets the same tensor (uniform models, Mistral-style windows)
     by layer type       {"full_attention": ..., "sliding_attention": ...}: models whose forward accepts
@@ -33,9 +35,12 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from rsd_runtime import row_attention
+
 # Backends that add our 4-D float mask as is (flash/flex ignore it or want a BlockMask).
 GROUPED_SDPA = "grouped_sdpa"
-MASKED_ATTENTION = (GROUPED_SDPA, "sdpa", "eager")
+ROW_SDPA = "row_sdpa"
+MASKED_ATTENTION = (ROW_SDPA, GROUPED_SDPA, "sdpa", "eager")
 _LAYER_WINDOWED = "sliding_attention"
 _LAYER_FULL = "full_attention"
 
@@ -81,8 +86,41 @@ def grouped_sdpa(module, query: Tensor, key: Tensor, value: Tensor, attention_ma
     return out.reshape(batch, heads, n, dim).transpose(1, 2).contiguous(), None  # [B, n, H, D]
 
 
+def row_sdpa(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, **kwargs):
+    """grouped_sdpa with every query row reduced alone over its visible keys (rsd_runtime.row_attention): a row's
+    output bits never depend on the other rows of the forward, the masked keys between its own, or the threads.
+
+    query [1, H, n, D], key/value [1, H_kv, L, D], attention_mask [1, 1, n, L]: additive (0 allowed, the dtype's
+    min not) or bool (True allowed), or None (causal: row i sees the first L - n + i + 1 keys). Anything else
+    (a bias in the mask, softcapping, sinks, a batch, another device) goes to grouped_sdpa: row_invariant_attention
+    names the configs that would."""
+    allowed = _allowed_keys(attention_mask, query.shape[2], key.shape[2])
+    plain = not any(kwargs.get(k) for k in ("position_bias", "softcap", "s_aux", "output_attentions", "dropout"))
+    if allowed is None or not plain or not row_attention.supports(query, key, value):
+        return grouped_sdpa(module, query, key, value, attention_mask, **kwargs)
+    scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
+    return row_attention.row_attention(query, key, value, allowed, scale), None  # [1, n, H, D]
+
+
+def _allowed_keys(attention_mask: Tensor | None, n: int, length: int) -> Tensor | None:
+    """[n, L] bool: which keys each query row sees, from a mask row_sdpa takes (else None)."""
+    if attention_mask is None:  # transformers' causal forward without padding
+        return torch.ones(n, length, dtype=torch.bool).tril_(length - n)
+    if attention_mask.dim() != 4 or attention_mask.shape[:2] != (1, 1) or attention_mask.shape[2:] != (n, length):
+        return None
+    mask = attention_mask[0, 0]
+    if mask.dtype == torch.bool:
+        return mask
+    allowed = mask == 0
+    if not torch.all(allowed | (mask == torch.finfo(mask.dtype).min)):  # a bias, not a mask
+        return None
+    return allowed
+
+
 AttentionInterface.register(GROUPED_SDPA, grouped_sdpa)
 AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)  # causal forwards get sdpa's masks (windows included)
+AttentionInterface.register(ROW_SDPA, row_sdpa)
+AttentionMaskInterface.register(ROW_SDPA, sdpa_mask)
 
 
 class UnsupportedModelError(ValueError):

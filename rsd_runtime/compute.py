@@ -19,13 +19,17 @@ every barrier waits out a scheduler slice (two 2-thread processes on 2 cores, an
 a call alone, 21 ms each when both ran). So services given the same cores take turns: with `turns`, a
 ComputeThread holds an exclusive flock on that file for each job (one packed forward, one verification),
 so at most one of them computes at a time; services on cores of their own never wait, and one-thread
-services (no workers to spin) take no turns.
+services (no workers to spin) take no turns. The services on a machine may run as different users: the
+file is opened read-only (flock needs no write access) and made readable by all (0644, whatever the umask)
+by whoever creates it; where an existing one cannot be opened (another user's 0600 file), a service
+logs a warning and takes turns in a file of its own user's (turns_file's name with "-uid<uid>").
 """
 
 from __future__ import annotations
 
 import asyncio
 import fcntl
+import logging
 import os
 import tempfile
 import threading
@@ -37,6 +41,8 @@ import torch
 
 T = TypeVar("T")
 
+log = logging.getLogger(__name__)
+
 
 class ComputeThread:
     """A single worker thread running torch with `threads` intra-op threads (0: the process's count)."""
@@ -44,7 +50,7 @@ class ComputeThread:
     def __init__(self, threads: int = 0, name: str = "compute", turns: str | None = None):
         self.threads = threads or torch.get_num_threads()
         # turns: a lock file shared with the processes on the same cores (turns_file), or None
-        self._turns_fd = os.open(turns, os.O_CREAT | os.O_RDWR, 0o600) if turns else None
+        self._turns_fd = _open_turns(turns) if turns else None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=name, initializer=self._init)
         self._ident = self._executor.submit(threading.get_ident).result()  # started and sized now
 
@@ -93,6 +99,32 @@ def turns_file(cores: str) -> str:
     """The lock file of the model services on exactly these cores ("0-1,3" style: Placement.cores)."""
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     return os.path.join(shm, f"rsd-cores-{cores or 'any'}.lock")
+
+
+def _open_turns(path: str) -> int:
+    """A descriptor of the turns file `path` to flock, whoever created the file; else of this user's own."""
+    try:
+        return _open_readable(path)
+    except PermissionError as e:
+        root, ext = os.path.splitext(path)
+        own = f"{root}-uid{os.getuid()}{ext}"
+        log.warning(
+            "cannot open the turns file %s (%s): taking turns with this user's services only, in %s", path, e, own
+        )
+        return _open_readable(own)
+
+
+def _open_readable(path: str) -> int:
+    try:
+        return os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        pass
+    try:  # O_EXCL: never O_CREAT an existing file (fs.protected_regular refuses that in /dev/shm for another's)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDONLY, 0o644)
+    except FileExistsError:  # another service made it meanwhile
+        return os.open(path, os.O_RDONLY)
+    os.fchmod(fd, 0o644)  # the umask may have taken the others' read access
+    return fd
 
 
 def single_threaded() -> None:

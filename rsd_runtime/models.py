@@ -15,8 +15,8 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from rsd_runtime import DTYPE_NAMES, QUANTIZE_MODES, small_gemm
-from rsd_runtime.attention import GROUPED_SDPA
+from rsd_runtime import DTYPE_NAMES, QUANTIZE_MODES, row_attention, small_gemm
+from rsd_runtime.attention import GROUPED_SDPA, ROW_SDPA
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +25,7 @@ DTYPES = dict(zip(DTYPE_NAMES, (torch.float32, torch.bfloat16, torch.float16), s
 
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (x86 AVX512-BF16 or AMX-BF16, Arm BF16): there
-    a bf16 model runs about twice as fast as fp32 (Qwen2.5-1.5B, 2 Zen 4 cores: 180 vs 370 ms per
-    token); without, bf16 is emulated and slower than fp32."""
+    a bf16 model runs faster than fp32; without, bf16 is emulated and slower."""
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -60,15 +59,15 @@ def load_model(
     """A causal LM in eval mode with gradients off, on `device` (any torch device string).
 
     small_batch_rows: linear layers over at most this many rows take use_small_batch_linear's path (on a
-    CPU with AVX2, rsd_runtime.small_gemm: a 6-token forward of a 1.5B target costs 1.4x one token instead
-    of 3.2x; in bfloat16 on a CPU with AMX or AVX512-BF16 every forward of up to 64 tokens runs faster than
-    through oneDNN: on AMX a 16-token forward costs 1.23-1.29x one token, and one token half oneDNN's time).
-    None picks per device: on a CPU small_gemm.preferred_rows (64 where a kernel runs, any number on AMX,
-    where a prompt goes through it in calls of 64 rows), at least 64 for float32; 0 (F.linear) elsewhere.
+    CPU rsd_runtime.small_gemm's kernels, which stream each weight once for all rows; README, *Verification
+    near the memory-bound limit*, has the measurements). None picks per device: on a CPU
+    small_gemm.preferred_rows (any number where a kernel runs, a prompt in calls of 64 rows, so a row's bits
+    never depend on its batch: batch_variance), at least 64 for float32; 0 (F.linear) elsewhere.
 
     attn_implementation "auto" takes sdpa where the architecture has it, as rsd_runtime.attention.grouped_sdpa
-    where its layers dispatch through transformers' AttentionInterface, else eager (Gemma2, GPT-Neo, Bloom,
-    MPT, XGLM have no sdpa path); the choice is logged and kept in model.config._attn_implementation.
+    where its layers dispatch through transformers' AttentionInterface (as row_sdpa on a CPU with AVX2: each
+    query row reduced alone, so a tree node's logits are the one-token step's bit for bit), else eager (Gemma2,
+    GPT-Neo, Bloom, MPT, XGLM have no sdpa path); the choice is logged and kept in model.config._attn_implementation.
     Tree forwards need one of rsd_runtime.attention.MASKED_ATTENTION.
     """
     kwargs = {"dtype": parse_dtype(dtype, device)}
@@ -84,7 +83,9 @@ def load_model(
                 raise
             model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager", **kwargs)
         if model.config._attn_implementation == "sdpa" and model._can_set_attn_implementation():
-            model.set_attn_implementation(GROUPED_SDPA)  # sdpa up to float rounding, without repeat_kv's copies
+            # sdpa up to float rounding, without repeat_kv's copies; on a CPU a row's bits its own (batch_variance)
+            row = torch.device(device).type == "cpu" and row_attention.available()
+            model.set_attn_implementation(ROW_SDPA if row else GROUPED_SDPA)
     model.to(torch.device(device)).eval().requires_grad_(False)
     if small_batch_rows is None and torch.device(device).type != "cpu":
         small_batch_rows = 0
@@ -111,18 +112,17 @@ def use_small_batch_linear(model: torch.nn.Module, max_rows: int = 64, kernel: s
     """Compute every nn.Linear as weight @ x.T when the input has at most max_rows rows.
 
     On CPU, F.linear with a handful of rows is far slower than the same product written the
-    other way round (Qwen2.5-1.5B up_proj, 2 threads: 4 rows 34 ms vs 8.7 ms; 13 rows 42 vs 28),
-    and a draft tree or a tree verification is exactly a handful of rows; rows above 4 are padded to
-    a multiple of 8 (on the same CPU, 13 rows 1430 ms per 1.5B forward, padded to 16: 894 ms). Zero
+    other way round, and a draft tree or a tree verification is exactly a handful of rows; rows
+    above 4 are padded to a multiple of 8 (an odd row count fell off MKL's fast path). Zero
     rows change no other row, so results differ from F.linear only by float rounding. max_rows 0
     switches the path off again (set_small_batch_rows); set_linear_kernel picks the kernel afterwards.
     Returns the number of layers changed.
 
     kernel "auto" computes float32 and bfloat16 rows with rsd_runtime.small_gemm where the CPU runs it
     (AVX2+FMA; AMX-BF16 or AVX512-BF16; and a compiler): it streams each weight once for all rows and gives a row the
-    same value in any batch; "torch" keeps the product above. Without the kernel, 16-bit inputs of up to
-    8 rows take F.linear (oneDNN's bf16 F.linear beat the product the other way round there: Qwen2.5-0.5B
-    output layer, 3 rows: 18 ms vs 28 ms; whole 1.5B forward, 1 row: 174 vs 218 ms).
+    same value in any batch (above 64 rows in calls of 64: batch_variance); "torch" keeps the product above.
+    Without the kernel, 16-bit inputs of up to 8 rows take F.linear (oneDNN's bf16 F.linear beat the product the
+    other way round there).
     """
     if kernel not in ("auto", "torch"):
         raise ValueError(f"kernel must be auto or torch, got {kernel!r}")
@@ -195,6 +195,46 @@ def set_linear_kernel(model: torch.nn.Module, kernel: str, max_rows: int = 64) -
     return len(layers)
 
 
+def batch_variance(model: torch.nn.Module) -> str:
+    """Why a row's logits from this loaded model may depend on the other rows of its forward ("" where they
+    never do): on how many rows share it, which sessions they belong to, which masked keys lie between its own.
+    Result files record it (the benchmark's batch_invariant), tests/test_batch_invariance.py checks it.
+
+    Invariant: a CPU model whose every linear layer runs on rsd_runtime.small_gemm at any row count (in calls of
+    64 rows: float32 on AVX2, bfloat16 on AVX512-BF16 or AMX; an int8 drafter's Int8Linear on AVX512-VNNI) and
+    whose attention is row_sdpa (rsd_runtime.row_attention, AVX2). Not invariant: F.linear and weight @ x.T (MKL's
+    float32 rows change with the row count: RSD_SMALL_GEMM=0, a CPU or layer width the kernel does not take,
+    small_batch_rows below any), fbgemm's dynamic int8 (a CPU without VNNI: one activation scale a call), sdpa,
+    grouped_sdpa and eager attention (a row reduced over every key of its forward, in blocks set by the
+    forward's shape), the drafters' lean forward (sdpa), and any GPU (cuBLAS and flash kernels pick tiles by shape).
+    """
+    device = next(model.parameters()).device
+    if device.type != "cpu":
+        return f"on {device}: its GEMM and attention kernels are picked by shape"
+    if "rsd_lean" in model.__dict__:
+        return "the lean draft forward attends with sdpa"
+    config = model.config.get_text_config()
+    attn = model.config._attn_implementation
+    if attn != ROW_SDPA:
+        return f"attention {attn!r} reduces a row over every key of its forward (row_sdpa: each row alone)"
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim % 8 or model.dtype not in (torch.float32, torch.bfloat16):
+        return f"row_sdpa takes float32 or bfloat16 heads of a multiple of 8 dims, not {model.dtype} x {head_dim}"
+    if any(getattr(config, a, None) for a in ("attn_logit_softcapping", "sliding_window_pattern_sinks")):
+        return "softcapped attention goes to grouped_sdpa"
+    for name, m in model.named_modules():
+        if type(m).__module__.startswith("torch.ao.nn.quantized"):
+            return f"{name}: fbgemm's dynamic int8 scales a call's activations at once"
+        if type(m) is not torch.nn.Linear:
+            continue
+        if not getattr(m, "small_gemm", False) or m.small_batch_rows < small_gemm.ANY_ROWS:
+            return f"{name}: F.linear or weight @ x.T above {getattr(m, 'small_batch_rows', 0)} rows"
+        if not small_gemm.supports(m.weight.new_zeros(1, m.in_features), m.weight):
+            why = small_gemm.kernel_name(m.weight.dtype) or "no kernel here"
+            return f"{name}: small_gemm ({why}) does not take {m.weight.dtype} x {m.in_features} (F.linear instead)"
+    return ""
+
+
 class PrunedLMHead(torch.nn.Module):
     """A language-model head that scores only the first `keep` vocabulary ids; the others get -inf.
 
@@ -263,13 +303,10 @@ def quantize_draft(model: torch.nn.Module, mode: str, dtype: str = "float32") ->
 
     int8 replaces every nn.Linear (the output layer and a PrunedLMHead's included) with an int8 one, float32
     elsewhere. Where the CPU has AVX512-VNNI (and every layer's input width is a multiple of 64), that is
-    Int8Linear: weights int8 per output channel, activations int8 per row, on rsd_runtime.small_gemm's kernel
-    (a Qwen2.5-0.5B draft forward of 1-16 rows: 0.72-0.93x fbgemm's time on Zen 4). Elsewhere it is
-    dynamic quantisation: weights int8 per output channel, activations quantised per call, through
-    torch's fbgemm/x86 kernels (torch.ao.quantization.quantize_dynamic: deprecated in torch 2.13 but
-    still the fastest int8 CPU path we found: Qwen2.5-0.5B's 896 -> 151,936 output layer, one thread,
-    AVX512-VNNI: 12 ms per row against 38 ms fp32 and 26 ms for torchao 0.18's eager int8; its own
-    `torch._int_mm` path: 73 ms; weight-only `_weight_int8pack_mm` was slower than fp32). Its logits
+    Int8Linear: weights int8 per output channel, activations int8 per row, on rsd_runtime.small_gemm's kernel.
+    Elsewhere it is dynamic quantisation: weights int8 per output channel, activations quantised per call,
+    through torch's fbgemm/x86 kernels (torch.ao.quantization.quantize_dynamic: deprecated in torch 2.13 but
+    still the fastest int8 CPU path we found, ahead of torchao's eager int8 and torch._int_mm). Its logits
     depend on which tokens share a forward: harmless for a drafter (its law is whatever it computed
     and sent), never acceptable for a verifier. CPU only; the model must be float32 or `dtype` "auto"
     (a bf16/fp16 model is converted to float32 for int8); an explicit bfloat16/float16 is refused.
@@ -333,9 +370,8 @@ class Int8Linear(torch.nn.Module):
 
     A row's scale is its own, so its output is the same whatever rows share the forward (fbgemm's dynamic
     quantisation scales a whole call at once), and stays closer to the float layer. One C call a layer
-    (small_gemm.int8_linear: quantise, multiply, scale) streams the int8 weights once for all rows: a
-    Qwen2.5-0.5B draft forward of 1-16 rows costs 0.72-0.93x fbgemm's on one or two Zen 4 cores (logits
-    within 5.1 of fp32's against fbgemm's 17.5). Float32 in and out; more than small_gemm.MAX_ROWS rows (a
+    (small_gemm.int8_linear: quantise, multiply, scale) streams the int8 weights once for all rows (README has
+    its cost against fbgemm's). Float32 in and out; more than small_gemm.MAX_ROWS rows (a
     prompt) go through in chunks, each row giving the same values."""
 
     def __init__(self, linear: torch.nn.Linear):

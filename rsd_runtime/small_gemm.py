@@ -25,10 +25,14 @@ Exactness: a row's result is the same whatever rows share its call (each row has
 tile lanes, summed over K in the same order), so a tree's node gets bit-for-bit the value it would get alone; against
 F.linear it differs by float rounding only (tests/test_small_gemm.py).
 
-Each kernel is C compiled at first use with the system compiler (`cc`) into ~/.cache/rsd/kernels and
-called through ctypes (which releases the GIL); threads of torch's own OpenMP team split the output
-columns. `available(dtype)` says whether one can run here: an x86-64 CPU with its instructions and a
-compiler that knows them; where it cannot, callers keep their torch path (speed only; the law is unchanged).
+Each kernel is C compiled at first use with the system compiler ($CC, else `cc`) into kernel_dir()
+($RSD_KERNEL_DIR, else ~/.cache/rsd/kernels) and called through ctypes (which releases the GIL); threads of
+torch's own OpenMP team split the output columns. `available(dtype)` says whether one can run here: an
+x86-64 CPU with its instructions, and a compiler that knows them and a writable kernel dir (or the kernel
+built there before: a read-only dir of built kernels serves). Where it cannot (no compiler, a read-only
+cache, another CPU), callers keep their torch path (F.linear; fbgemm for int8): speed only, the law is
+unchanged; one log line per dtype says which kernel runs or why none does (a warning when one could have).
+RSD_SMALL_GEMM picks among them (SETTINGS); "avx2" makes any x86 CPU choose as an AVX2-only one does.
 """
 
 from __future__ import annotations
@@ -127,20 +131,26 @@ def _cpu_flags() -> frozenset[str]:
         return frozenset({"avx2", "fma"} if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else ())
 
 
-def _build(kernel: _Kernel) -> ctypes.CDLL:
-    digest = hashlib.sha256((kernel.source + " ".join(kernel.cflags)).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("RSD_KERNEL_DIR", Path.home() / ".cache" / "rsd" / "kernels"))
-    so = cache / f"small_gemm-{digest}.so"
+def compile_library(source: str, cflags: tuple[str, ...], stem: str = "small_gemm") -> ctypes.CDLL:
+    """C `source` built with `cflags` (and OpenMP) into kernel_dir() once, keyed by both, and loaded; OSError,
+    RuntimeError or subprocess.SubprocessError where it cannot be (also used by rsd_runtime.row_attention)."""
+    digest = hashlib.sha256((source + " ".join(cflags)).encode()).hexdigest()[:16]
+    so = kernel_dir() / f"{stem}-{digest}.so"
+    cache = so.parent
     if not so.exists():
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            src, out = Path(tmp) / "small_gemm.c", Path(tmp) / so.name
-            src.write_text(kernel.source)
+            src, out = Path(tmp) / f"{stem}.c", Path(tmp) / so.name
+            src.write_text(source)
             cc = os.environ.get("CC", "cc")
-            cmd = [cc, "-O3", *kernel.cflags, "-fopenmp", "-shared", "-fPIC", str(src), "-o", str(out)]
+            cmd = [cc, "-O3", *cflags, "-fopenmp", "-shared", "-fPIC", str(src), "-o", str(out)]
             subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
             os.replace(out, so)  # atomic: another process may be building the same file
-    lib = ctypes.CDLL(str(so))
+    return ctypes.CDLL(str(so))
+
+
+def _build(kernel: _Kernel) -> ctypes.CDLL:
+    lib = compile_library(kernel.source, kernel.cflags)
     lib.small_gemm_threads.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
     lib.small_gemm_threads.restype = ctypes.c_int
     if hasattr(lib, "amx_init") and lib.amx_init() != 0:
@@ -151,36 +161,67 @@ def _build(kernel: _Kernel) -> ctypes.CDLL:
     return lib
 
 
+def kernel_dir() -> Path:
+    """Where the built kernels are kept: $RSD_KERNEL_DIR, else ~/.cache/rsd/kernels (the home directory is
+    looked up only without RSD_KERNEL_DIR: a service user may have none)."""
+    configured = os.environ.get("RSD_KERNEL_DIR")
+    if configured:
+        return Path(configured)
+    try:
+        return Path.home() / ".cache" / "rsd" / "kernels"
+    except RuntimeError as e:  # no HOME and no passwd entry
+        raise RuntimeError("no home directory for ~/.cache/rsd/kernels: set RSD_KERNEL_DIR") from e
+
+
+# RSD_SMALL_GEMM, the kernels a process may run (each also needs its CPU flags and a compiler):
+SETTINGS = {
+    "1": "every kernel the CPU runs (the default)",
+    "0": "none: every caller keeps torch's path (an A/B of the kernels through the services)",
+    "no-amx": "all but the AMX one (an A/B of the two bf16 kernels)",
+    "avx2": "those an AVX2-only CPU runs (float32): that machine's kernel choice, to test it on any CPU",
+}
+AVX2_FLAGS = frozenset({"avx2", "fma"})  # what an AVX2-only x86-64 CPU lists of the kernels' flags
+_BUILD_HINT = " (a kernel is built by a C compiler, $CC or cc, in a writable $RSD_KERNEL_DIR or ~/.cache/rsd/kernels)"
+
+
 def available(dtype: torch.dtype = torch.float32) -> bool:
-    """Whether a kernel for weights of `dtype` runs on this machine (built on first call; the reason is logged
-    once if not). float32 needs AVX2+FMA, bfloat16 AMX-BF16 or else AVX512-BF16, int8 AVX512-VNNI; all a C
-    compiler. RSD_SMALL_GEMM in the environment: "0" turns them all off (their callers keep torch's path: an
-    A/B of the kernels through the services), "no-amx" skips the AMX kernel (an A/B of the two bf16 ones)."""
+    """Whether a kernel for weights of `dtype` runs on this machine (built on first call; the choice and the
+    reasons for it are logged once). float32 needs AVX2+FMA, bfloat16 AMX-BF16 or else AVX512-BF16, int8
+    AVX512-VNNI; all a C compiler and a writable kernel_dir() (or the kernel built there already). Where
+    none can run, callers keep torch's path (F.linear, fbgemm's int8): the same law, slower. RSD_SMALL_GEMM
+    in the environment narrows the choice (SETTINGS)."""
     with _lock:
         if dtype not in _libs and dtype not in _failed:
             setting = os.environ.get("RSD_SMALL_GEMM", "1")
-            reasons = []
+            reasons = [] if setting in SETTINGS else [f"RSD_SMALL_GEMM={setting!r} unknown, taken as 1"]
+            flags = _cpu_flags() & AVX2_FLAGS if setting == "avx2" else _cpu_flags()
+            unbuilt = False  # a kernel the CPU runs could not be built or loaded: worth a warning
             for kernel in _KERNELS.get(dtype, ()):
-                missing = [f for f in kernel.cpu_flags if f not in _cpu_flags()]
+                missing = [f for f in kernel.cpu_flags if f not in flags]
                 if setting == "0":
                     reasons.append("RSD_SMALL_GEMM=0")
                     break
                 if setting == "no-amx" and kernel.name.startswith("amx"):
                     reasons.append(f"{kernel.name}: RSD_SMALL_GEMM=no-amx")
+                elif missing and setting == "avx2":
+                    reasons.append(f"{kernel.name}: RSD_SMALL_GEMM=avx2 (needs {', '.join(missing)})")
                 elif missing:
                     reasons.append(f"{kernel.name}: the CPU lacks {', '.join(missing)}")
                 else:
                     try:
                         _libs[dtype], _names[dtype] = _build(kernel), kernel.name
                         break
-                    except (OSError, subprocess.SubprocessError) as e:
-                        reasons.append(f"{kernel.name}: cannot build or start it: {getattr(e, 'stderr', '') or e}")
+                    except (OSError, RuntimeError, subprocess.SubprocessError) as e:  # RuntimeError: kernel_dir()
+                        unbuilt = True
+                        detail = (getattr(e, "stderr", "") or str(e)).strip()
+                        reasons.append(f"{kernel.name}: cannot build or load it: {detail}")
             if dtype in _libs:
                 skipped = f" ({'; '.join(reasons)})" if reasons else ""
                 log.info("small_gemm kernel for %s: %s%s", dtype, _names[dtype], skipped)
             else:
                 _failed[dtype] = "; ".join(reasons) or f"no kernel for {dtype}"
-                log.info("small_gemm kernel for %s off: %s", dtype, _failed[dtype])
+                level, hint = (logging.WARNING, _BUILD_HINT) if unbuilt else (logging.INFO, "")
+                log.log(level, "small_gemm kernel for %s off, torch's path instead: %s%s", dtype, _failed[dtype], hint)
         return dtype in _libs
 
 
@@ -191,13 +232,13 @@ def kernel_name(dtype: torch.dtype) -> str | None:
 
 def preferred_rows(dtype: torch.dtype) -> int:
     """Up to how many rows models of this dtype should compute their linear layers here by default
-    (load_model): 0 where no kernel runs; wherever one does, MAX_ROWS (each beat F.linear at every row count
-    it takes where measured: bf16 oneDNN reads the weights at about half the memory's pace on Zen 4 and on
-    AMX Xeons alike), and on AMX any number, in calls of MAX_ROWS: chunks of a prompt beat oneDNN's F.linear
-    too (1.5B up-projection on two Xeon cores: 152 rows 21 -> 14 ms, 600 rows 52 -> 45)."""
-    if not available(dtype):
-        return 0
-    return ANY_ROWS if _names[dtype] == "amx-bf16" else MAX_ROWS
+    (load_model): 0 where no kernel runs; wherever one does, any number (ANY_ROWS), in calls of MAX_ROWS, so a
+    row's bits never depend on how many rows share its forward (F.linear's do: MKL's float32 rows change with
+    the row count). Up to 64 rows each kernel beat F.linear where measured (bf16 oneDNN reads the weights at
+    about half the memory's pace on Zen 4 and on AMX Xeons alike); above, AMX still does (1.5B up-projection
+    on two Xeon cores: 152 rows 21 -> 14 ms, 600 rows 52 -> 45), the AVX2 and AVX512-BF16 ones pay for the
+    invariance on a prompt (two Zen 4 cores, 600 rows: float32 1.8x, bfloat16 2.6x F.linear's time)."""
+    return ANY_ROWS if available(dtype) else 0
 
 
 ANY_ROWS = 1 << 30

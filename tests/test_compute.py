@@ -5,6 +5,7 @@ let go; the model services run their forwards there."""
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import subprocess
 import sys
@@ -107,3 +108,73 @@ def test_turns_file_is_named_by_the_cores():
     finally:
         one.close()
         two.close()
+
+
+# A child service's compute thread on the turns file argv[1]: whether its job waited while the parent held
+# the file's lock, and ran once it let go.
+_TAKES_ITS_TURN = """
+import logging, sys, threading
+logging.basicConfig(level=logging.WARNING)
+from rsd_runtime.compute import ComputeThread
+compute = ComputeThread(1, "b", sys.argv[1])
+done = threading.Event()
+threading.Thread(target=lambda: (compute.run(lambda: None), done.set())).start()
+print("ran at once" if done.wait(1.0) else "waited", flush=True)
+print("ran" if done.wait(60) else "never ran", flush=True)
+compute.close()
+"""
+
+
+@pytest.mark.parametrize("made_by", ["another user (0644)", "this user, read-only (0444)"])
+def test_a_turns_file_another_user_made_still_takes_turns(tmp_path, made_by):
+    """The turns file one service created (0644 whatever its umask) serves a service of another user: that
+    one opens it read-only and takes turns with the first. (The child honours file permissions as a
+    service user does: tests/unprivileged.py.)"""
+    from tests import unprivileged
+
+    path = str(tmp_path / "rsd-cores-0-1.lock")
+    old = os.umask(0o077)  # a umask that denies the others everything
+    try:
+        ComputeThread(2, "a", path).close()
+    finally:
+        os.umask(old)
+    assert os.stat(path).st_mode & 0o777 == 0o644
+    if made_by.startswith("another"):
+        if os.geteuid() != 0:
+            pytest.skip("giving a file to another user needs root")
+        os.chown(path, 65534, 65534)
+    else:
+        os.chmod(path, 0o444)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    fd = os.open(path, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # the first service computes
+    try:
+        child = unprivileged.popen([sys.executable, "-c", _TAKES_ITS_TURN, path], env=env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)  # fmt: skip
+        with child:
+            first = child.stdout.readline().strip()
+            fcntl.flock(fd, fcntl.LOCK_UN)  # its job is done
+            rest, err = child.communicate(timeout=120)
+    finally:
+        os.close(fd)
+    assert child.returncode == 0, err
+    assert [first, rest.strip()] == ["waited", "ran"]
+    assert "WARNING" not in err
+
+
+def test_a_turns_file_it_cannot_open_leaves_it_its_own_users(tmp_path):
+    """A turns file this user may not even read (an older service's 0600 one of another user): a warning, and
+    turns in this user's own file beside it; the service starts."""
+    from tests import unprivileged
+
+    path = tmp_path / "rsd-cores-0-1.lock"
+    path.touch(mode=0o000)
+    path.chmod(0o000)
+    code = "import logging, sys; logging.basicConfig(); from rsd_runtime.compute import ComputeThread\n"
+    code += "c = ComputeThread(2, 'b', sys.argv[1]); print(c.takes_turns); c.close()"
+    out = unprivileged.run([sys.executable, "-c", code, str(path)], env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True"]
+    own = tmp_path / f"rsd-cores-0-1-uid{os.getuid()}.lock"
+    assert f"WARNING:rsd_runtime.compute:cannot open the turns file {path}" in out.stderr and str(own) in out.stderr
+    assert own.exists() and own.stat().st_mode & 0o777 == 0o644

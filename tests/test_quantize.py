@@ -38,6 +38,10 @@ from tests.test_statistical import chi_square_pvalue
 from verifier_service import server as verifier_server
 from verifier_service.config import VerifierConfig
 
+# The int8 layer quantize_draft gives here: Int8Linear where small_gemm's AVX512-VNNI kernel runs (the tiny
+# models' layer widths are multiples of 64), fbgemm's dynamic layer elsewhere (AVX2, RSD_SMALL_GEMM=avx2 or 0).
+INT8_LAYER = Int8Linear if small_gemm.available(torch.int8) else DynamicLinear
+
 
 def num_int8_layers(model: torch.nn.Module) -> int:
     """int8 layers of either kind: Int8Linear (AVX512-VNNI kernel) or torch's dynamic ones (fbgemm)."""
@@ -61,7 +65,8 @@ def test_int8_replaces_every_linear_and_changes_the_draft_law(tiny_dirs, int8_pa
     draft, _ = int8_pair
     plain = load_model(tiny_dirs[0])
     linears = sum(type(m) is torch.nn.Linear for m in plain.modules())
-    assert num_int8_layers(draft) == linears and not any(type(m) is torch.nn.Linear for m in draft.modules())
+    assert sum(type(m) is INT8_LAYER for m in draft.modules()) == num_int8_layers(draft) == linears
+    assert not any(type(m) is torch.nn.Linear for m in draft.modules())
     ids = torch.tensor([PROMPTS[2]])
     with torch.inference_mode():
         diff = (draft(ids).logits - plain(ids).logits).abs().max()
@@ -103,7 +108,7 @@ def test_options_compose_in_order_or_are_refused(tiny_dirs):
     draft, target = load_model(draft_dir), load_model(target_dir)
     prune_draft_vocab(draft, 100)
     assert quantize_draft(draft, "int8") == "int8"
-    assert isinstance(draft.get_output_embeddings().kept, Int8Linear)
+    assert isinstance(draft.get_output_embeddings().kept, INT8_LAYER)
     assert use_small_batch_linear(draft) == 0  # nothing left to patch: every linear layer is int8
     runner = ModelRunner(draft, 256)
     logits = runner.forward(torch.tensor(PROMPTS[0]), torch.arange(-1, len(PROMPTS[0]) - 1))
@@ -215,8 +220,7 @@ def test_bench_compares_drafters_in_one_run(tiny_dirs, tmp_path):
 def test_int8_takes_the_vnni_kernel_where_it_runs_else_fbgemm(tiny_dirs, monkeypatch):
     draft = load_model(tiny_dirs[0])
     quantize_draft(draft, "int8")
-    kinds = {type(m) for m in draft.modules()} & {Int8Linear, DynamicLinear}
-    assert kinds == ({Int8Linear} if small_gemm.available(torch.int8) else {DynamicLinear})
+    assert {type(m) for m in draft.modules()} & {Int8Linear, DynamicLinear} == {INT8_LAYER}
     monkeypatch.setattr(Int8Linear, "takes", staticmethod(lambda linear: False))  # a CPU without VNNI
     draft = load_model(tiny_dirs[0])
     quantize_draft(draft, "int8")
