@@ -55,7 +55,7 @@ class DrafterHandle(RegisteredHandle):
 
     def service_info(self) -> ServiceInfo:
         capacity, load = self.config.max_sessions, self.engine.num_running
-        return ServiceInfo("drafter", self.drafter_id, self.address, capacity, load)
+        return ServiceInfo("drafter", self.drafter_id, self.address, capacity, load, self.config.max_len)
 
     async def stop_parts(self) -> None:
         if self.engine.compute is not None:

@@ -10,7 +10,8 @@
     gateway.leases       lease_expired, keep_lease, OrphanSweeper
 
 One Generate call ("a turn"):
-    1. validate the request (RequestError names the field), tokenize its input
+    1. validate the request (RequestError names the field), tokenize its input; refuse a turn longer than
+       max_session_tokens or than the picked services' max_len (ContextLengthExceeded), before any event
     2. create the session (new) or claim it (continue): choose a drafter and a verifier, begin a new
        epoch in the store (compare-and-set: a second concurrent turn gets SessionBusy), append the
        turn's input at the committed length
@@ -47,9 +48,10 @@ import grpc
 from gateway.chat import ChatTemplate
 from gateway.config import GatewayConfig
 from gateway.directory import Channels, ServiceDirectory
-from gateway.errors import Overloaded, RequestError, SessionBusy, TurnFailed
+from gateway.errors import ContextLengthExceeded, Overloaded, RequestError, SessionBusy, TurnFailed
 from gateway.leases import OrphanSweeper, keep_lease, lease_expired
 from gateway.params import (
+    check_context_length,
     default_params,
     finish_reason_name,
     finish_reason_value,
@@ -130,10 +132,11 @@ class GatewayEngine:
         params["turn_start"] = committed_before + len(input_ids)  # for a gateway that takes the turn over
         total = committed_before + len(input_ids) + params["max_new_tokens"]
         if total > self.config.max_session_tokens:
-            raise RequestError(
+            raise ContextLengthExceeded(
                 f"session would reach {total} tokens, more than max_session_tokens {self.config.max_session_tokens}"
             )
         drafter, verifier = await self.services.pick_pair("" if record is None else record.kv.verifier_id)
+        check_context_length(committed_before + len(input_ids), params, (drafter, verifier))  # nothing stored yet
         self.services.hold((drafter, verifier), +1)  # _drive releases it; so does a failure before _drive
         try:
             if record is None:

@@ -12,6 +12,12 @@ class RequestError(ValueError):
     """A request the gateway refuses as it is (INVALID_ARGUMENT)."""
 
 
+class ContextLengthExceeded(RequestError):
+    """A turn longer than a limit on the sequence (INVALID_ARGUMENT; OpenAI's code context_length_exceeded): its
+    input over max_prompt_tokens, the session over max_session_tokens, or input + new tokens + a draft tree
+    over a picked service's max_len."""
+
+
 class SessionBusy(Conflict):
     """The session already has a running turn (FAILED_PRECONDITION)."""
 

@@ -15,10 +15,12 @@ limits (max_running_turns, max_concurrent_rpcs: calls at once, max_message_bytes
 (X-Request-Id, else a new one; echoed back, in the reply id and in the logs). Bodies and what is
 supported: gateway.openai_schema.
 
-Errors use OpenAI's shape {"error": {"message", "type", "param", "code"}}: 400 bad input, 401 no or bad
-token, 404 unknown model or session, 409 the session is already generating, 413 body too large, 429 no
-capacity, 503/504 the services are away / the turn ran out of time, 500 anything else (logged once with
-the request id). An error after a stream began comes as one `data: {"error": ...}` event before [DONE].
+Errors use OpenAI's shape {"error": {"message", "type", "param", "code"}}: 400 bad input (code
+context_length_exceeded for a turn over max_prompt_tokens, max_session_tokens or the services' max_len:
+refused before a stream begins, `stream: true` included), 401 no or bad token, 404 unknown model or
+session, 409 the session is already generating, 413 body too large, 429 no capacity, 503/504 the services
+are away / the turn ran out of time, 500 anything else (logged once with the request id). An error after
+a stream began comes as one `data: {"error": ...}` event before [DONE].
 
 A client that disconnects cancels its turn (a stream: Starlette cancels the response, _EventStream's
 on_close cancels the turn; a waiting request: a task watches for the disconnect). What the turn
@@ -49,6 +51,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from gateway.config import GatewayConfig
 from gateway.engine import GatewayEngine
+from gateway.errors import ContextLengthExceeded
 from gateway.openai_schema import (
     FINISH_REASONS,
     ChatCompletionRequest,
@@ -104,7 +107,10 @@ def api_error(error: BaseException, request_id: str) -> ApiError:
     if mapped is None:
         log.error("request %s failed", request_id, exc_info=error)
         return ApiError(grpc.StatusCode.INTERNAL, f"internal error (request {request_id})")
-    return ApiError(*mapped)
+    api = ApiError(*mapped)
+    if isinstance(error, ContextLengthExceeded):
+        api.error_code = "context_length_exceeded"  # as OpenAI and vLLM name it
+    return api
 
 
 @dataclass

@@ -3,14 +3,15 @@ finish reasons on the wire."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gateway.config import GatewayConfig
-from gateway.errors import RequestError
+from gateway.errors import ContextLengthExceeded, RequestError
 from gateway.session import SessionRecord, SessionStatus
 from rsd.methods import DEFAULT_SHAPES
 from rsd.sampling import SamplingParams
+from rsd_service.registry import ServiceInfo
 from rsd_wire import common_pb2, gateway_pb2
 from rsd_wire.convert import parse_method
 
@@ -92,6 +93,26 @@ def validate_params(params: Mapping[str, Any], config: GatewayConfig) -> None:
         raise RequestError(f"params.stop_sequences: at most {config.max_stop_sequences}, got {len(stops)}")
     if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
         raise RequestError(f"params.stop_sequences: each must have 1..{MAX_STOP_CHARS} characters")
+
+
+def check_context_length(num_context: int, params: Mapping[str, Any], services: Sequence[ServiceInfo]) -> None:
+    """Refuse at the edge a turn the services would refuse mid-stream: its `num_context` tokens (committed
+    + input) + max_new_tokens + one draft tree (the method's nodes, node 0 included) over the smallest
+    max_len the services advertise (ServiceInfo.max_len; 0, not advertised, as in static lists: unchecked).
+    That is the drafter's own bound; the verifier needs at most as much. params: validated already."""
+    limits = [s for s in services if s.max_len > 0]
+    if not limits:
+        return
+    nodes = parse_method(params["method"], params["shape"]).max_draft_tokens + 1
+    max_new = int(params["max_new_tokens"])
+    need = num_context + max_new + nodes
+    smallest = min(limits, key=lambda s: (s.max_len, s.role))
+    if need > smallest.max_len:
+        raise ContextLengthExceeded(
+            f"this model's maximum context length is {smallest.max_len} tokens ({smallest.role} "
+            f"{smallest.service_id} max_len), but the turn needs {need}: {num_context} input and session tokens, "
+            f"{max_new} max_new_tokens and {nodes} draft tree nodes ({params['method']} {params['shape']})"
+        )
 
 
 def params_to_proto(params: Mapping[str, Any]) -> common_pb2.GenerationParams:

@@ -7,7 +7,7 @@ from typing import Any
 
 from gateway.chat import ChatTemplate
 from gateway.config import GatewayConfig
-from gateway.errors import RequestError
+from gateway.errors import ContextLengthExceeded, RequestError
 from rsd_service.registry import check_id
 from rsd_wire import gateway_pb2
 
@@ -63,5 +63,5 @@ class InputReader:
                 raise RequestError(f"token_ids.ids: token id {bad} is outside [0, {self.vocab_size})")
         if len(ids) > self.config.max_prompt_tokens:
             limit = self.config.max_prompt_tokens
-            raise RequestError(f"input has {len(ids)} tokens, more than max_prompt_tokens {limit}")
+            raise ContextLengthExceeded(f"input has {len(ids)} tokens, more than max_prompt_tokens {limit}")
         return ids

@@ -6,7 +6,8 @@ registry shares Redis (and the namespace) with the gateway's session store; the 
 (gateway.store) are registries too, by inheritance, so one connection serves both jobs.
 
 Redis layout, under a namespace (default "rsd"); ids are [A-Za-z0-9._-] (`check_id`), so keys cannot collide:
-    {ns}:service:{role}:{id}   string: a ServiceInfo as JSON; expires unless heartbeated
+    {ns}:service:{role}:{id}   string: a ServiceInfo as JSON; expires unless heartbeated (fields it does not
+                               know, from a newer service, are ignored: add fields, never rename)
     {ns}:services:{role}       set: ids of the role's registered services, pruned when listed
 """
 
@@ -17,7 +18,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Protocol
 
 import redis
@@ -40,6 +41,13 @@ class ServiceInfo:
     address: str  # host:port of its gRPC server
     capacity: int = 0  # sessions it can hold
     load: int = 0  # sessions it holds now
+    max_len: int = 0  # tokens a session's cache holds (its config's max_len: committed + a tree); 0 = not said
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> ServiceInfo:
+        """The registry's JSON entry; fields this version does not know are dropped."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in json.loads(raw).items() if k in known})
 
 
 class ServiceRegistry(Protocol):
@@ -109,7 +117,7 @@ class RedisServiceRegistry:
     def list_services(self, role: str) -> list[ServiceInfo]:
         check_id("role", role)
         found = self._list(keys=[self._index_key(role)], args=[self._service_key_prefix(role)])
-        return sorted((ServiceInfo(**json.loads(raw)) for raw in found), key=lambda s: s.service_id)
+        return sorted((ServiceInfo.from_json(raw) for raw in found), key=lambda s: s.service_id)
 
     def unregister_service(self, role: str, service_id: str) -> None:
         check_id("role", role)

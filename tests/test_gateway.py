@@ -746,3 +746,51 @@ def test_real_services_verifier_failover(loop, pair, tiny_tokenizer):
         position += len(delta.token_ids)
     assert list(session.committed_token_ids) == prompt_ids + expected
     assert session.verifier_id == "v1" and session.kv_location.epoch == 2
+
+
+def test_context_length_is_the_smallest_advertised_max_len():
+    """input + max_new_tokens + the method's tree nodes (node 0 included) may reach the smallest max_len
+    the picked services advertise, not pass it; a service that advertises none (0: static lists) is not
+    a limit."""
+    from gateway.errors import ContextLengthExceeded
+    from gateway.params import check_context_length
+    from rsd_service.registry import ServiceInfo
+
+    params = {**default_params(GatewayConfig()), "method": "rsd_s", "shape": "3x4", "max_new_tokens": 30}
+    nodes = Method.parse("rsd_s", "3x4").max_draft_tokens + 1
+    drafter, verifier = ServiceInfo("drafter", "d0", "a:1", max_len=100), ServiceInfo("verifier", "v0", "b:1")
+    check_context_length(100 - 30 - nodes, params, (drafter, verifier))  # exactly the limit
+    check_context_length(10_000, params, (ServiceInfo("drafter", "d0", "a:1"), verifier))  # nothing advertised
+    with pytest.raises(ContextLengthExceeded, match=r"maximum context length is 100 tokens \(drafter d0 max_len\)"):
+        check_context_length(100 - 30 - nodes + 1, params, (drafter, verifier))
+    small = ServiceInfo("verifier", "v1", "b:1", max_len=64)
+    with pytest.raises(
+        RequestError, match=f"64 tokens \\(verifier v1 max_len\\), but the turn needs {30 + 30 + nodes}"
+    ):
+        check_context_length(30, params, (drafter, small))
+
+
+def test_real_services_refuse_a_turn_over_their_max_len(real_stack, pair):
+    """The services advertise their max_len in the registry; a turn that would pass it is INVALID_ARGUMENT
+    before anything runs or is stored (a continuation's session stays as it was), one that fits runs."""
+    for role in ("drafter", "verifier"):
+        assert [s.max_len for s in real_stack.loop.run(real_stack.engine.services.live(role))] == [2048]
+    prompt_ids = pair[2].encode(PROMPT, add_special_tokens=False)
+    nodes = Method.parse("sd", "4").max_draft_tokens + 1
+    fits = 2048 - len(prompt_ids) - nodes
+    with real_stack.client() as client:
+        err = status_of(lambda: client.generate(PROMPT, method="sd", shape="4", max_new_tokens=fits + 1).wait())
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "maximum context length is 2048 tokens" in err.details() and "needs 2049" in err.details()
+        first = client.generate(PROMPT, method="sd", shape="4", max_new_tokens=8, **greedy()).wait()
+        before = client.get_session(first.session_id, include_token_ids=True)
+        turn = [5, 6]
+        over = 2048 - before.committed_length_tokens - len(turn) - nodes + 1
+        err = status_of(
+            lambda: client.generate(token_ids=turn, session_id=first.session_id, max_new_tokens=over).wait()
+        )
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "needs 2049" in err.details()
+        after = client.get_session(first.session_id, include_token_ids=True)
+        assert after == before  # nothing stored: same tokens, status, epoch
+        second = client.generate(token_ids=turn, session_id=first.session_id, max_new_tokens=4, **greedy()).wait()
+        assert second.finished.num_new_tokens == 4

@@ -300,6 +300,27 @@ def test_bad_parameters_are_400_with_the_reason(gw, change, reason):
     assert reason in error["message"] and set(error) == {"message", "type", "param", "code"}
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("path", ["completions", "chat/completions"])
+def test_over_the_context_length_is_400_context_length_exceeded(gw, path, stream):
+    """prompt + max_tokens + the draft tree over the services' max_len (2048, from the registry): 400 with
+    OpenAI's code context_length_exceeded, `stream: true` too: the answer is the error, not a 200 whose
+    stream then fails. The official client raises BadRequestError with that code."""
+    prompt = {"prompt": PROMPT} if path == "completions" else {"messages": [{"role": r, "content": c} for r, c in CHAT]}
+    body = {"model": MODEL, "max_tokens": 2040, "stream": stream, "method": "sd", "shape": "4", **prompt}
+    headers = {"authorization": f"Bearer {TOKEN}"}
+    reply = httpx.post(f"{gw.base_url}/{path}", json=body, headers=headers, timeout=60)
+    assert reply.status_code == 400 and reply.headers["content-type"] == "application/json", reply.text
+    error = reply.json()["error"]
+    assert (error["code"], error["type"]) == ("context_length_exceeded", "invalid_request_error")
+    assert "maximum context length is 2048 tokens" in error["message"] and "2040 max_new_tokens" in error["message"]
+    client = gw.openai()
+    create = client.completions.create if path == "completions" else client.chat.completions.create
+    with pytest.raises(openai.BadRequestError) as info:
+        create(max_tokens=2040, stream=stream, model=MODEL, extra_body={"method": "sd", "shape": "4"}, **prompt)
+    assert info.value.code == "context_length_exceeded"
+
+
 def test_unknown_model_is_404(gw):
     with pytest.raises(openai.NotFoundError) as info:
         gw.openai().chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "w5"}])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -302,6 +303,20 @@ def test_service_registry_heartbeats_expire(store, skip_ahead):
     assert store.list_services("verifier") == []
     assert [s.service_id for s in store.list_services("drafter")] == ["d0"]
     assert store.list_services("nobody") == []
+
+
+def test_registry_entries_carry_max_len_and_ignore_unknown_fields(redis_srv):
+    """max_len travels with an entry; an older entry (no max_len) reads as 0, not advertised; a newer
+    service's fields this version does not know are dropped, not a TypeError for every gateway."""
+    client = redis_srv.client()
+    store = RedisSessionStore(client, redis_srv.namespace("fields"), session_ttl_s=30)
+    store.register_service(ServiceInfo("verifier", "v0", "127.0.0.1:7001", 4, 1, max_len=512), ttl_s=10)
+    assert store.list_services("verifier")[0].max_len == 512
+    old = {"role": "verifier", "service_id": "v0", "address": "a:1", "capacity": 4, "load": 1}
+    assert ServiceInfo.from_json(json.dumps(old)) == ServiceInfo("verifier", "v0", "a:1", 4, 1, max_len=0)
+    newer = json.dumps({**old, "max_len": 64, "gpu": "h200"}).encode()
+    assert ServiceInfo.from_json(newer) == ServiceInfo("verifier", "v0", "a:1", 4, 1, max_len=64)
+    client.close()
 
 
 def test_redis_keys_are_namespaced_and_expire(redis_srv):

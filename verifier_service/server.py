@@ -57,7 +57,7 @@ class VerifierHandle(RegisteredHandle):
 
     def service_info(self) -> ServiceInfo:
         capacity, load = self.config.num_slots, self.servicer.num_sessions
-        return ServiceInfo("verifier", self.verifier_id, self.address, capacity, load)
+        return ServiceInfo("verifier", self.verifier_id, self.address, capacity, load, self.config.max_len)
 
     def load(self) -> tuple[int, int, int]:
         """(sessions with an open Verify stream, sessions holding a KV slot, slots)."""
