@@ -87,10 +87,11 @@ def ar_worker(job: dict) -> None:
     apply_placement(job["cores"], job["threads"])
     from rsd.sampling import SamplingParams
     from rsd_runtime.generator import SpeculativeGenerator
-    from rsd_runtime.models import load_model
+    from rsd_runtime.models import batch_variance, load_model
     from rsd_runtime.runner import ModelRunner
 
     model = load_model(job["target"], "cpu", job["dtype"])
+    print(json.dumps({"batch_variance": batch_variance(model)}), flush=True)  # the verifier loads it alike
     gen = SpeculativeGenerator(ModelRunner(model, job["max_len"]))
     eos = tuple(job["eos"])
     gen.generate(job["prompts"][0], None, SamplingParams(0.0), 4)  # warm-up
@@ -224,7 +225,7 @@ def service_row(
 def ar_summary(results: list[dict], temperatures: list[float]) -> dict:
     out = {}
     for t in temperatures:
-        runs = sorted((r for r in results if r["temperature"] == t), key=lambda r: r["prompt"])
+        runs = sorted((r for r in results if r.get("temperature") == t), key=lambda r: r["prompt"])
         tokens = sum(len(r["token_ids"]) for r in runs)
         out[t] = {"tokens_per_s": round(tokens / sum(r["wall_s"] for r in runs), 4), "tokens": tokens, "runs": runs}
     return out
@@ -254,12 +255,14 @@ def main(argv: list[str] | None = None) -> int:
 
     placements = args.ar_placements.split(";")
     ar_dtypes = list(dict.fromkeys([args.dtype, *(d.strip() for d in args.ar_dtypes.split(",") if d.strip())]))
-    ar_runs = {}
+    ar_runs, variance = {}, {}
     for key, cores in zip(("same_core", "whole_machine"), placements, strict=True):
         by_dtype = {}
         for dtype in ar_dtypes:
             log(f"target alone on cores {cores} in {dtype}")
-            by_dtype[dtype] = ar_summary(run_ar(target, cores, prompts, eos, args, dtype), temps)
+            results = run_ar(target, cores, prompts, eos, args, dtype)
+            by_dtype[dtype] = ar_summary(results, temps)
+            variance[dtype] = next((r["batch_variance"] for r in results if "batch_variance" in r), None)
         best = max(ar_dtypes, key=lambda d: sum(by_dtype[d][t]["tokens_per_s"] for t in temps))  # its fastest
         ar_runs[key] = {"cores": cores, "dtype": best, "by_t": by_dtype[best], "by_dtype": by_dtype}
     ar = {key: v["by_t"] for key, v in ar_runs.items()}
@@ -292,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         "drafter_args": args.drafter_args,
         "small_gemm": os.environ.get("RSD_SMALL_GEMM", "1") != "0",  # the small-row kernels (RSD_SMALL_GEMM=0: off)
         "lean_draft_forward": os.environ.get("RSD_LEAN_FORWARD", "1") != "0",  # rsd_runtime.lean (=0: off)
+        # per dtype, why the target's rows may depend on their batch ("" = never: matches_ar can hold at T = 0)
+        "target_batch_variance": variance,
         "placement": {
             "drafter_cores": args.drafter_cores,
             "verifier_cores": args.verifier_cores,

@@ -5,7 +5,8 @@ arithmetic: of ~32 ms (Qwen2.5-0.5B, int8, Zen 4) the linear kernels take ~16, t
 transformers' layers (module calls, ~40 small ops a layer: RMSNorm in six, rotary in seven, a cache
 update, the attention dispatch). This forward computes the same function with fewer, larger steps:
 q, k and v are one linear layer (and gate and up another) whose weights the original layers keep as
-views, RMSNorm is torch's fused op, rotary runs on q and k at once, and attention is grouped_sdpa's.
+views, RMSNorm is torch's fused op, rotary runs on q and k at once, and attention is row_attention's
+(each query row alone, so a row's bits do not depend on its batch) where it runs, else grouped_sdpa's.
 It takes the same inputs as the model's own forward (ModelRunner and the packed drafter call it through
 runner.model_logits) and writes the same cache.
 
@@ -23,6 +24,8 @@ import os
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from rsd_runtime import row_attention
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +143,7 @@ class LeanDecoder(torch.nn.Module):
         sin_signed = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)  # rotate_half's signs, once
         # Each query head's copy of the mask: [1, 1, rep * n, L] (grouped attention, as grouped_sdpa)
         mask = attention_mask[:, :, None].expand(1, 1, rep, n, attention_mask.shape[-1]).reshape(1, 1, rep * n, -1)
+        allowed = attention_mask[0, 0] == 0  # [n, L]: row_attention's form of the additive mask
         for i, (ln1, qkv_proj, o_proj, ln2, gate_up, down, scaling) in enumerate(self.layers):
             qkv = qkv_proj(self._rms(ln1, x))  # [n, (hq + 2 hkv) d]
             qk = qkv[:, : (hq + hkv) * d].view(n, hq + hkv, d)
@@ -148,10 +152,14 @@ class LeanDecoder(torch.nn.Module):
             k = qk[:, hq:].transpose(0, 1)[None]  # [1, hkv, n, d]
             v = qkv[:, (hq + hkv) * d :].view(n, hkv, d).transpose(0, 1)[None]  # [1, hkv, n, d]
             keys, values = cache.layers[i].update(k, v)  # [1, hkv, L, d]
-            # query head h = kv * rep + r: group kv's rows are (r, token), r-major
-            q = q.view(n, hkv, rep, d).permute(1, 2, 0, 3).reshape(1, hkv, rep * n, d)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
-            out = out.view(hkv, rep, n, d).permute(2, 0, 1, 3).reshape(n, hq * d)  # [n, hq d]
+            heads_first = q.transpose(0, 1)[None]  # [1, hq, n, d]
+            if row_attention.supports(heads_first, keys, values):  # each row alone: its bits not its batch's
+                out = row_attention.row_attention(heads_first, keys, values, allowed, scaling).reshape(n, hq * d)
+            else:
+                # query head h = kv * rep + r: group kv's rows are (r, token), r-major
+                q = q.view(n, hkv, rep, d).permute(1, 2, 0, 3).reshape(1, hkv, rep * n, d)
+                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
+                out = out.view(hkv, rep, n, d).permute(2, 0, 1, 3).reshape(n, hq * d)  # [n, hq d]
             x = x + o_proj(out)
             gu = gate_up(self._rms(ln2, x))  # [n, 2 I]
             inter = gu.shape[-1] // 2

@@ -205,13 +205,13 @@ def batch_variance(model: torch.nn.Module) -> str:
     whose attention is row_sdpa (rsd_runtime.row_attention, AVX2). Not invariant: F.linear and weight @ x.T (MKL's
     float32 rows change with the row count: RSD_SMALL_GEMM=0, a CPU or layer width the kernel does not take,
     small_batch_rows below any), fbgemm's dynamic int8 (a CPU without VNNI: one activation scale a call), sdpa,
-    grouped_sdpa and eager attention (a row reduced over every key of its forward, in blocks set by the
-    forward's shape), the drafters' lean forward (sdpa), and any GPU (cuBLAS and flash kernels pick tiles by shape).
+    grouped_sdpa and eager attention (a row reduced over every key of its forward, in blocks set by the forward's
+    shape), the lean draft forward without row attention (sdpa), any GPU (cuBLAS, flash: tiles by shape).
     """
     device = next(model.parameters()).device
     if device.type != "cpu":
         return f"on {device}: its GEMM and attention kernels are picked by shape"
-    if "rsd_lean" in model.__dict__:
+    if "rsd_lean" in model.__dict__ and not row_attention.available():
         return "the lean draft forward attends with sdpa"
     config = model.config.get_text_config()
     attn = model.config._attn_implementation

@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
 import subprocess
 from pathlib import Path
 
@@ -43,8 +44,9 @@ _FUNCTIONS = {torch.float32: "row_attention_f32", torch.bfloat16: "row_attention
 
 def available() -> bool:
     """Whether the kernel runs here: where small_gemm's float32 kernel does (an x86-64 CPU with AVX2 + FMA, a
-    compiler; RSD_SMALL_GEMM=0 turns both off) and it builds. Built on the first call; the reason logged if not."""
-    return _library() is not None
+    compiler; RSD_SMALL_GEMM=0 turns both off) and it builds. Built on the first call; the reason logged if not.
+    RSD_ROW_ATTENTION=0 turns it off alone (grouped_sdpa instead: faster trees, rows no longer batch-invariant)."""
+    return os.environ.get("RSD_ROW_ATTENTION", "1") != "0" and _library() is not None
 
 
 @functools.cache

@@ -25,7 +25,8 @@ from rsd.acceptance import RULES
 from rsd.methods import Method
 from rsd.sampling import SamplingParams
 from rsd.tree import DraftTree
-from rsd_runtime.attention import UnsupportedModelError
+from rsd_runtime import row_attention
+from rsd_runtime.attention import GROUPED_SDPA, ROW_SDPA, UnsupportedModelError
 from rsd_runtime.generator import SpeculativeGenerator
 from rsd_runtime.models import load_model
 from rsd_runtime.runner import ModelRunner
@@ -156,7 +157,8 @@ def test_gpt_neo_local_layers_exact_within_their_window(arch_root):
 
 def test_explicit_attention_choice_is_honoured(arch_root):
     _draft_dir, target_dir = save_pair(BY_NAME["mistral-window"], arch_root)
-    assert load_model(target_dir).config._attn_implementation == "grouped_sdpa"  # auto: sdpa without repeat_kv
+    auto = ROW_SDPA if row_attention.available() else GROUPED_SDPA  # sdpa without repeat_kv; each row alone on CPUs
+    assert load_model(target_dir).config._attn_implementation == auto
     assert load_model(target_dir, attn_implementation="sdpa").config._attn_implementation == "sdpa"
     assert load_model(target_dir, attn_implementation="eager").config._attn_implementation == "eager"
     gemma_dir = save_pair(BY_NAME["gemma2"], arch_root)[1]

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 from rsd_runtime import row_attention, small_gemm
 from rsd_runtime.attention import GROUPED_SDPA, ROW_SDPA, check_model
+from rsd_runtime.lean import use_lean_forward
 from rsd_runtime.models import batch_variance, load_model, set_linear_kernel
 from rsd_runtime.packed import forward_packed
 from rsd_runtime.runner import ModelRunner
@@ -105,6 +106,15 @@ def test_a_session_gets_its_lone_bits_packed_with_others(model, others):
     assert sum(len(p.parents) for _, p in prepared) > small_gemm.MAX_ROWS or others < 3
     packed = forward_packed(model, plan, prepared)
     assert torch.equal(packed[0], lone)
+
+
+@pytest.mark.parametrize("model", _kernels(), indirect=True)
+def test_the_lean_draft_forward_too(model):
+    """A drafter's lean forward (rsd_runtime.lean) attends with row attention: the same two properties."""
+    assert use_lean_forward(model) == "" and batch_variance(model) == ""
+    test_a_tree_row_is_the_one_token_step_bit_for_bit(model)
+    test_a_session_gets_its_lone_bits_packed_with_others(model, 7)
+    assert model.__dict__["rsd_lean"].calls > 0
 
 
 def test_batch_variance_follows_the_machine_and_the_settings(model_dir):

@@ -141,9 +141,7 @@ def test_pipelined_equals_plain_in_process(pair, name, shape, width):
             assert b.stats.predraft_trees > 0 and b.stats.wasted_draft_forwards > 0
             assert len(piped._pre.shadows) <= (3 if width > 1 else 0)  # a shadow per tree of a step at most
             hits, misses = hits + b.stats.predraft_hits, misses + b.stats.predraft_misses
-    assert misses > 0
-    if name in ("sd", "spectr"):  # the tiny pair's chains agree often enough at T = 0 (width 2: a hit
-        assert hits > 0  # swaps a shadow in, so the steps after one are covered too)
+    assert misses > 0 and hits > 0  # every method pre-drafts a verdict's tree sometimes (rsd_s 3 of these 12 runs)
 
 
 def test_misses_change_nothing_in_process(pair, monkeypatch):

@@ -27,7 +27,7 @@ from rsd.sampling import SamplingParams
 from rsd.tree import DraftTree
 from rsd_runtime import packed
 from rsd_runtime.generator import SpeculativeGenerator
-from rsd_runtime.models import load_model
+from rsd_runtime.models import batch_variance, load_model
 from rsd_runtime.runner import ModelRunner
 from rsd_tools.tiny import build_tiny_pair
 from rsd_wire import GRPC_OPTIONS, common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
@@ -184,6 +184,38 @@ def test_concurrent_sessions_are_packed_and_exact(models, monkeypatch):
         assert {name.split("_")[0] for name in threads} == {"drafter-compute", "verifier-compute"}
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("others", [1, 3, 7])
+def test_a_seeded_session_gets_its_lone_tokens_whoever_shares_the_batch(models, others):
+    """Session 0 at T = 0.8 alone, then packed with `others` sessions of other methods, prompts (one of 70
+    tokens: a packed forward above small_gemm's 64 rows) and seeds, through the batching services: the same
+    tokens, as vLLM's batch-invariant mode and SGLang's deterministic inference promise. Holds where no path
+    of either model varies with its batch (rsd_runtime.models.batch_variance)."""
+    draft, target = models
+    why = batch_variance(target) or batch_variance(draft)
+    if why:
+        pytest.skip(f"not batch-invariant on this machine: {why}")
+    vocab = target.config.vocab_size
+    mine = ("me", PROMPT, gen_params("rsd_s", "3x3", 0.8, seed=11))
+    crowd = [
+        (
+            f"o{i}",
+            [2] + [(5 + 7 * i + j) % vocab for j in range(69 if i == 1 else 3 + i)],
+            gen_params(*CASES[i % 6], 0.8, 50 + i),
+        )
+        for i in range(others)
+    ]
+
+    async def main(jobs):
+        cfg = {"batch_wait_ms": 30.0, "num_slots": 8}
+        async with services(models, cfg, {"max_sessions": 8}) as (vhandle, _, stub, _):
+            return await asyncio.gather(*(run(stub, vhandle, sid, p, committed=pr) for sid, pr, p in jobs))
+
+    ((alone, _),) = asyncio.run(main([mine]))
+    outs = asyncio.run(main([mine, *crowd]))
+    assert outs[0][0] == alone
+    assert max(e.stats.verifier.batch_num_sessions for e in outs[0][1]) > 1  # it did share forwards
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ from pathlib import Path
 
 
 def model_info(path: Path, model, dtype: str, device: str, params: int | None = None) -> dict:
+    from rsd_runtime.models import batch_variance
+
     info = {
         "path": str(path),
         "name": path.name,
@@ -17,6 +19,9 @@ def model_info(path: Path, model, dtype: str, device: str, params: int | None = 
         "dtype": str(model.dtype).removeprefix("torch."),  # "auto" resolved
         "dtype_asked": dtype,
         "device": device,
+        "attention": model.config._attn_implementation,
+        # why a row's logits may depend on its batch-mates ("" = never: rsd_runtime.models.batch_variance)
+        "batch_variance": batch_variance(model),
     }
     marker = path / "rsd_provision.json"
     if marker.is_file():
@@ -28,7 +33,7 @@ def machine_info() -> dict:
     import torch
     import transformers
 
-    from rsd_runtime import small_gemm
+    from rsd_runtime import row_attention, small_gemm
 
     cpu = platform.processor() or "unknown"
     try:
@@ -50,6 +55,7 @@ def machine_info() -> dict:
             str(dtype).removeprefix("torch."): small_gemm.kernel_name(dtype)
             for dtype in (torch.float32, torch.bfloat16, torch.int8)
         },
+        "row_attention": row_attention.available(),  # each query row reduced alone (batch-invariant attention)
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
