@@ -303,6 +303,9 @@ class DrafterPool:
         # machine, and a session queued for a thread cannot join the others' packed forward.
         call = partial(contextvars.copy_context().run, self._drafting, fn, *args)  # keeps the log context
         slot.drafting = asyncio.get_running_loop().run_in_executor(self._threads, call)
+        # A session cancelled meanwhile (shutdown) never awaits it: mark its error seen, or asyncio logs it
+        # from the garbage collector, at any moment (once inside an ast.parse, which CPython 3.11 broke on).
+        slot.drafting.add_done_callback(lambda f: f.cancelled() or f.exception())
         return asyncio.shield(slot.drafting)
 
     def _side_by_side(self, fns: list[Callable[[], object]]) -> list:

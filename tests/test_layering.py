@@ -58,6 +58,10 @@ def _modules() -> dict[str, pathlib.Path]:
 
 
 MODULES = _modules()
+# Parsed once, at collection, before any test leaves a thread running: CPython 3.11 keeps the AST builder's
+# recursion depth per interpreter, so a parse racing another thread's can fail with "AST constructor
+# recursion depth mismatch" (python/cpython#106905; seen once in CI).
+TREES = {module: ast.parse(path.read_text(), str(path)) for module, path in MODULES.items()}
 
 
 def _is_type_checking(node: ast.If) -> bool:
@@ -83,7 +87,7 @@ def _imports(tree: ast.AST, module: str, top_only: bool = False) -> Iterator[tup
 
 
 def _parsed(module: str) -> ast.AST:
-    return ast.parse(MODULES[module].read_text(), str(MODULES[module]))
+    return TREES[module]
 
 
 def test_the_layers_are_all_found():
