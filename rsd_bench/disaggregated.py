@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rsd_tools.bench.stats import bootstrap_interval
+from rsd_bench.stats import bootstrap_interval
 from rsd_tools.defaults import RESULTS_DIR
 
 SPLIT = ("draft_ms", "transfer_ms", "queue_ms", "verify_ms", "residual_ms", "step_ms")
@@ -238,9 +238,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.gateway_cores is None:  # the drafter's core: the verifier's forward is the critical path
         args.gateway_cores = args.drafter_cores
+    from rsd_bench.machine import machine_info, write_result
+    from rsd_bench.prompts import stdlib_prompts
     from rsd_runtime.tokenizer import load_tokenizer
-    from rsd_tools.bench.machine import machine_info, write_result
-    from rsd_tools.bench.prompts import stdlib_prompts
     from rsd_tools.launcher import model_dirs
 
     draft, target = model_dirs(args.draft, args.target, args.cache_dir, args.tiny)

@@ -24,8 +24,8 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
+from rsd_bench.machine import machine_info, write_result
 from rsd_service.placement import add_placement_flags, apply_placement
-from rsd_tools.bench.machine import machine_info, write_result
 from rsd_tools.defaults import RESULTS_DIR
 
 
@@ -57,12 +57,12 @@ def main(argv: list[str] | None = None) -> int:
     from rsd.methods import Method
     from rsd.random import StepRandom, Stream
     from rsd.sampling import SamplingParams
+    from rsd_bench.prompts import stdlib_prompts
     from rsd_runtime.generator import Drafter
     from rsd_runtime.models import load_model, prepare_draft
     from rsd_runtime.packed import PackedForwards
     from rsd_runtime.runner import ModelRunner
     from rsd_runtime.tokenizer import load_tokenizer
-    from rsd_tools.bench.prompts import stdlib_prompts
     from rsd_tools.provision import provision_pair
 
     draft_dir = args.draft or provision_pair(args.cache_dir)["draft"]

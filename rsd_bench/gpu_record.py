@@ -76,7 +76,7 @@ def git_commit() -> str:
 
 
 def machine_record(device: str) -> dict:
-    """The machine without rsd_tools.bench.machine's small_gemm probe (it compiles CPU kernels)."""
+    """The machine without rsd_bench.machine's small_gemm probe (it compiles CPU kernels)."""
     import torch
     import transformers
 

@@ -19,8 +19,8 @@ import argparse
 import time
 from pathlib import Path
 
+from rsd_bench.machine import machine_info, write_result
 from rsd_service.placement import add_placement_flags, apply_placement
-from rsd_tools.bench.machine import machine_info, write_result
 from rsd_tools.defaults import RESULTS_DIR
 
 KS = (1, 2, 4, 8, 16)
@@ -54,12 +54,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from rsd.methods import Method
     from rsd.sampling import SamplingParams
+    from rsd_bench.prompts import stdlib_prompts
     from rsd_runtime.generator import SpeculativeGenerator
     from rsd_runtime.models import load_model, prepare_draft
     from rsd_runtime.predraft import PreDrafter, outcome_of
     from rsd_runtime.runner import ModelRunner
     from rsd_runtime.tokenizer import load_tokenizer
-    from rsd_tools.bench.prompts import stdlib_prompts
     from rsd_tools.provision import provision_pair
 
     pair = {} if args.draft and args.target else provision_pair(args.cache_dir)

@@ -16,8 +16,8 @@ import argparse
 import time
 from pathlib import Path
 
+from rsd_bench.machine import machine_info, write_result
 from rsd_service.placement import add_placement_flags, apply_placement
-from rsd_tools.bench.machine import machine_info, write_result
 from rsd_tools.defaults import RESULTS_DIR
 
 

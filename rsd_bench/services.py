@@ -42,8 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rsd_bench.gateway_runs import Run, concurrent_runs, est_ratio, gateway_run, step_split
+from rsd_bench.machine import machine_info
 from rsd_bench.services_report import MISSING, SPLIT_DEFINITIONS, render_md
-from rsd_tools.bench.machine import machine_info
 from rsd_tools.defaults import CODE_PROMPT, DEFAULT_METHOD, DEFAULT_SHAPES, RESULTS_DIR, TEMPERATURES
 from rsd_tools.launcher import (
     Cluster,

@@ -5,6 +5,7 @@
     rsd cluster [--tiny] [--keep-running]   # start redis, verifier, drafter, gateway as processes
     rsd cluster --tiny --verifiers 2 --secure --keep-running   # any size, secured, restarting the dead
     rsd provision                       # fetch, hash-check and convert the real Qwen2.5-Coder pair
+    rsd bench <name> ...                # a benchmark (rsd_bench; added by the console script, rsd_cli)
 
 Without --draft/--target, `generate` uses the real pair (provisioned on first use, then cached);
 --tiny builds seeded tiny random models instead, for a smoke run in seconds. With --server the
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from rsd_runtime import DTYPE_NAMES, QUANTIZE_MODES
@@ -23,6 +25,8 @@ from rsd_service.placement import add_placement_flags
 from rsd_tools.defaults import CODE_PROMPT, DEFAULT_METHOD, DEFAULT_SHAPES
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here reaches a model hub
+
+Command = Callable[[list[str]], int]  # a command's own flags -> exit status
 
 
 def _add_generate(sub) -> None:
@@ -221,7 +225,9 @@ def generate(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, more: dict[str, tuple[str, Command]] | None = None) -> int:
+    """Run one `rsd` command. `more` adds commands of the layers above, name -> (help, run(argv)): the `rsd`
+    console script (rsd_cli) adds `bench` this way, so this module never imports the benchmarks."""
     ap = argparse.ArgumentParser(prog="rsd", description="Recursive Speculative Decoding")
     sub = ap.add_subparsers(dest="command", required=True)
     _add_generate(sub)
@@ -232,12 +238,11 @@ def main(argv: list[str] | None = None) -> int:
         add_help=False,
         help="start redis, verifiers, drafters and gateways as processes, optionally secured (rsd cluster -h)",
     )
-    sub.add_parser("bench", add_help=False, help="benchmark every method on one model pair (rsd bench -h)")
+    for name, (help_text, _) in (more or {}).items():
+        sub.add_parser(name, add_help=False, help=help_text)
     args, rest = ap.parse_known_args(argv)
-    if args.command == "bench":
-        from rsd_tools.bench import main as bench_main
-
-        return bench_main(rest)
+    if args.command in (more or {}):
+        return more[args.command][1](rest)
     if args.command == "cluster":
         from rsd_tools.cluster import main as cluster_main
 

@@ -5,7 +5,7 @@ Windowed architectures get a window of WINDOW tokens, far shorter than the tests
 window ignored or applied by cache slot instead of position changes the output. `refused` names the
 reason rsd_runtime.attention.check_model must give; every other entry must be exact.
 
-    python -m tests.arch_report     # the README's architecture table, from this matrix
+    python -m rsd_bench.architectures     # the README's architecture table, from this matrix
 """
 
 from __future__ import annotations

@@ -241,7 +241,7 @@ def test_service_refuses_to_start_with_the_reason(arch_root, service):
 
 
 def test_readme_table_lists_the_matrix():
-    """README's architecture table (from `python -m tests.arch_report`) names every entry with its verdict."""
+    """README's architecture table (from `python -m rsd_bench.architectures`) names every entry with its verdict."""
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     rows = {line.split("|")[1].strip(): line for line in readme.splitlines() if line.startswith("| ")}
     for arch in ARCHS:

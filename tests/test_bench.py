@@ -7,9 +7,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 
-from rsd_tools import bench
-from rsd_tools.bench.planning import fixed_nodes_specs, parse_config, parse_temperatures, plan
-from rsd_tools.bench.prompts import stdlib_prompts
+from rsd_bench.methods import cli as bench
+from rsd_bench.methods.planning import fixed_nodes_specs, parse_config, parse_temperatures, plan
+from rsd_bench.prompts import stdlib_prompts
 from rsd_tools.tiny import build_tiny_pair
 
 ROW_KEYS = {

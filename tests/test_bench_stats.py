@@ -1,10 +1,10 @@
-"""rsd_tools.bench.stats: the bootstrap interval of block efficiency and the per-step token counts."""
+"""rsd_bench.stats: the bootstrap interval of block efficiency and the per-step token counts."""
 
 import pytest
 
-from rsd_tools.bench import compare
-from rsd_tools.bench.planning import only_methods, plan
-from rsd_tools.bench.stats import bootstrap_interval, step_tokens
+from rsd_bench.methods import compare
+from rsd_bench.methods.planning import only_methods, plan
+from rsd_bench.stats import bootstrap_interval, step_tokens
 
 
 def test_bootstrap_interval_is_seeded_and_brackets_the_mean():

@@ -3,8 +3,7 @@ child processes, the row fields the issue asks for, and greedy output equal to t
 
 import json
 
-from rsd_bench import disaggregated
-from rsd_tools.bench import stats
+from rsd_bench import disaggregated, stats
 
 
 def test_bootstrap_interval_brackets_the_mean():

@@ -60,7 +60,7 @@ for _name, (_law, _per, _rule, _depth) in STOP_CASES.items():
     METHODS[_name] = (lambda p, law=_law, per=_per: toy.confidence_cut(law(p), STOP, per), _rule, _depth)
 
 
-def _gap(method: str, draft, target, rule: str | None = None) -> float:
+def law_gap(method: str, draft, target, rule: str | None = None) -> float:
     build, default_rule, depth = METHODS[method]
     trees = build(draft)
     assert abs(sum(p for _, p in trees) - 1) < TOL, "the tree law must be a distribution"
@@ -72,7 +72,7 @@ def _gap(method: str, draft, target, rule: str | None = None) -> float:
 @pytest.mark.parametrize("method", METHODS)
 def test_step_law_equals_target_law(method, case):
     draft, target = CASES[case]()
-    assert _gap(method, draft, target) < TOL
+    assert law_gap(method, draft, target) < TOL
 
 
 @pytest.mark.parametrize("shape", [[1, 1], [2, 2], [3, 1]])
@@ -98,17 +98,17 @@ def test_greedy_rule_accepts_matching_draft():
 
 def test_negative_control_with_replacement_rule_on_without_replacement_drafts():
     draft, target = CASES["random"]()
-    assert _gap("rsd_c_2x2", draft, target, rule="rrs_with_replacement") > 1e-3
+    assert law_gap("rsd_c_2x2", draft, target, rule="rrs_with_replacement") > 1e-3
 
 
 def test_negative_control_siblings_out_of_sampling_order():
     draft, target = CASES["random"]()
-    trees = [(_children_sorted_by_token(tree), p) for tree, p in toy.branching_tree_law(draft, V, [3, 1], WOR)]
+    trees = [(children_sorted_by_token(tree), p) for tree, p in toy.branching_tree_law(draft, V, [3, 1], WOR)]
     law = toy.speculative_law(trees, target, RULES["rrs"], 3)
     assert toy.max_abs_diff(law, toy.extend((), target, 3)) > 1e-3
 
 
-def _children_sorted_by_token(tree):
+def children_sorted_by_token(tree):
     """The same tree with every node's children re-sorted by token id (rebuilt in BFS order)."""
     old_order, parents, new_index = [0], [-1], {0: 0}
     for node in old_order:
@@ -142,7 +142,7 @@ def test_confidence_stop_rsd_s_three_levels():
     assert toy.max_abs_diff(law, toy.extend((), target, 4)) < TOL
 
 
-def _unsure_nodes_dropped(trees, tau):
+def unsure_nodes_dropped(trees, tau):
     """The wrong way to stop: remove a node the draft was unsure of (and its subtree) instead of
     only not expanding it. Which siblings survive then depends on their identity."""
     out = []
@@ -162,7 +162,7 @@ def _unsure_nodes_dropped(trees, tau):
 
 def test_negative_control_stop_that_drops_unsure_siblings():
     draft, target = CASES["random"]()
-    trees = _unsure_nodes_dropped(toy.branching_tree_law(draft, V, [2, 2], WOR), STOP)
+    trees = unsure_nodes_dropped(toy.branching_tree_law(draft, V, [2, 2], WOR), STOP)
     law = toy.speculative_law(trees, target, RULES["rrs"], 3)
     assert toy.max_abs_diff(law, toy.extend((), target, 3)) > 1e-3
 

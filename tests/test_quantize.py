@@ -190,12 +190,12 @@ def test_services_helper_still_takes_a_given_model(int8_pair):
 
 
 def test_bench_compares_drafters_in_one_run(tiny_dirs, tmp_path):
-    """rsd bench --draft-quantize none,int8,auto: every speculative method runs once per drafter (labels
+    """rsd bench methods --draft-quantize none,int8,auto: every speculative method runs once per drafter (labels
     +int8, +auto, rows say what was applied), each drafter's forward is timed by tokens, greedy rows
     still equal ar, and the placement and CPU flags are recorded; --costs-only stops after the timings."""
     import json
 
-    from rsd_tools import bench
+    from rsd_bench.methods import cli as bench
 
     draft_dir, target_dir = tiny_dirs
     argv = ["--draft", str(draft_dir), "--target", str(target_dir), "--out-dir", str(tmp_path), "--no-plots"]

@@ -1,10 +1,10 @@
-"""The toy SpecTr-vs-RSD-S report's machinery (tests/spectr_rsd_report.py, tests/pair_divergence.py)."""
+"""The toy SpecTr-vs-RSD-S report's machinery (rsd_bench/spectr_rsd_toy.py, rsd_bench/pair_divergence.py)."""
 
 import pytest
 import torch
 
-from tests.pair_divergence import law_stats
-from tests.spectr_rsd_report import CODE_LIKE, exact_tokens_per_step, mc_tokens_per_step, pair
+from rsd_bench.pair_divergence import law_stats
+from rsd_bench.spectr_rsd_toy import CODE_LIKE, exact_tokens_per_step, mc_tokens_per_step, pair
 
 
 @pytest.mark.parametrize("method", ["spectr", "rsd_s"])

@@ -1,10 +1,10 @@
 """Benchmark speculative methods against autoregressive decoding on one loaded drafter/target pair.
 
-    rsd bench --quick                                          # the real pair (provisioned/cached)
-    rsd bench --protocol all --temperatures 0,0.6,1 --name cpu-full   # both paper protocols
-    python -m rsd_tools.bench --config "ar;sd:4;specinfer:2,2,1;spectr:2x4;rsd_c:2,2,1;rsd_s:3x4" \\
+    rsd bench methods --quick                                          # the real pair (provisioned/cached)
+    rsd bench methods --protocol all --temperatures 0,0.6,1 --name cpu-full   # both paper protocols
+    python -m rsd_bench.methods --config "ar;sd:4;specinfer:2,2,1;spectr:2x4;rsd_c:2,2,1;rsd_s:3x4" \\
         --temperatures 0,1 --num-prompts 3 --max-new-tokens 32 --threads 2 --name cpu-quick
-    python -m rsd_tools.bench --method ar --method rsd_s:3x4 --draft DIR --target DIR --prompts FILE
+    python -m rsd_bench.methods --method ar --method rsd_s:3x4 --draft DIR --target DIR --prompts FILE
 
 Methods are `name[:shape]`, separated by ';' in --config (shapes contain commas) or given one per
 --method flag: ar (target alone), sd:L, specinfer:K1,K2,..., spectr:KxL, rsd_c:K1,K2,..., rsd_s:WxL,
@@ -52,8 +52,7 @@ import platform
 import time
 from pathlib import Path
 
-from rsd_service.placement import add_placement_flags
-from rsd_tools.bench.planning import (
+from rsd_bench.methods.planning import (
     AR_DTYPES,
     BUDGETS,
     DEPTHS,
@@ -64,15 +63,16 @@ from rsd_tools.bench.planning import (
     QUICK_NUM_PROMPTS,
     make_plan,
 )
-from rsd_tools.bench.prompts import STDLIB_MODULES, file_prompts, stdlib_prompts
-from rsd_tools.bench.report import markdown, plots
-from rsd_tools.bench.stats import BOOTSTRAP_RESAMPLES
+from rsd_bench.methods.report import markdown, plots
+from rsd_bench.prompts import STDLIB_MODULES, file_prompts, stdlib_prompts
+from rsd_bench.stats import BOOTSTRAP_RESAMPLES
+from rsd_service.placement import add_placement_flags
 from rsd_tools.defaults import RESULTS_DIR, TEMPERATURES
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="rsd bench",
+        prog="rsd bench methods",
         description=__doc__.split("\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="\n".join(__doc__.split("\n")[1:]),
@@ -181,9 +181,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers.utils import logging as hf_logging
 
+    from rsd_bench.machine import machine_info
+    from rsd_bench.methods.run import BenchRun, load_models, log
     from rsd_service.placement import apply_placement
-    from rsd_tools.bench.machine import machine_info
-    from rsd_tools.bench.run import BenchRun, load_models, log
     from rsd_tools.launcher import model_dirs
 
     hf_logging.disable_progress_bar()

@@ -1,31 +1,37 @@
-"""Print (and write to benchmarks/results/exactness.md) the largest gap between each method's exact
-one-step law and the target's law, per corner case: `python -m tests.exactness_report`."""
+"""Exactness by enumeration: the largest gap between each method's exact one-step law and the target's law,
+per corner case, float64; prints it and writes benchmarks/results/exactness.md (`rsd bench exactness`).
 
-import pathlib
+It replays the test suite's own cases and enumerators (tests/test_exact.py, tests/toy.py), so the report and
+the tests cannot drift apart; it runs from a source checkout, where tests/ is.
+"""
+
+import argparse
 
 from rsd.acceptance import RULES
+from rsd_tools.defaults import RESULTS_DIR
 from tests import toy
-from tests.test_exact import CASES, METHODS, STOP, WOR, V, _children_sorted_by_token, _gap, _unsure_nodes_dropped
+from tests.test_exact import CASES, METHODS, STOP, WOR, V, children_sorted_by_token, law_gap, unsure_nodes_dropped
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(prog="python -m rsd_bench.exactness", description=__doc__.split("\n")[0]).parse_args(argv)
     lines = [
         "# Exactness by enumeration",
         "",
         f"max |P_spec(first L+1 tokens) - P_target| over all sequences, V={V}, float64 "
-        "(`python -m tests.exactness_report`; test threshold 1e-9).",
+        "(`python -m rsd_bench.exactness`; test threshold 1e-9).",
         "",
         "| method | rule | " + " | ".join(CASES) + " |",
         "| --- | --- | " + " | ".join("---" for _ in CASES) + " |",
     ]
     for method, (_, rule, _) in METHODS.items():
-        gaps = [_gap(method, *CASES[case]()) for case in CASES]
+        gaps = [law_gap(method, *CASES[case]()) for case in CASES]
         lines.append(f"| {method} | {rule} | " + " | ".join(f"{g:.1e}" for g in gaps) + " |")
     draft, target = CASES["random"]()
-    wrong_rule = _gap("rsd_c_2x2", draft, target, rule="rrs_with_replacement")
-    trees = [(_children_sorted_by_token(t), p) for t, p in toy.branching_tree_law(draft, V, [3, 1], WOR)]
+    wrong_rule = law_gap("rsd_c_2x2", draft, target, rule="rrs_with_replacement")
+    trees = [(children_sorted_by_token(t), p) for t, p in toy.branching_tree_law(draft, V, [3, 1], WOR)]
     wrong_order = toy.max_abs_diff(toy.speculative_law(trees, target, RULES["rrs"], 3), toy.extend((), target, 3))
-    dropped = _unsure_nodes_dropped(toy.branching_tree_law(draft, V, [2, 2], WOR), STOP)
+    dropped = unsure_nodes_dropped(toy.branching_tree_law(draft, V, [2, 2], WOR), STOP)
     wrong_stop = toy.max_abs_diff(toy.speculative_law(dropped, target, RULES["rrs"], 3), toy.extend((), target, 3))
     lines += [
         "",
@@ -40,10 +46,10 @@ def main() -> None:
     ]
     text = "\n".join(lines) + "\n"
     print(text)
-    out = pathlib.Path("benchmarks/results/exactness.md")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    (RESULTS_DIR / "exactness.md").write_text(text)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

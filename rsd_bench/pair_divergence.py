@@ -1,9 +1,9 @@
-"""Where a draft/target pair sits on the toy map of tests/spectr_rsd_report.py: per position of real
+"""Where a draft/target pair sits on the toy map of rsd_bench/spectr_rsd_toy.py: per position of real
 text, the target's top-1 mass and the total variation between draft and target laws at temperature T.
 
-    python -m tests.pair_divergence benchmarks/results/NAME.json [--label spectr:3x5] [--temperature 1]
+    python -m rsd_bench.pair_divergence benchmarks/results/NAME.json [--label spectr:3x5] [--temperature 1]
 
-Reads the prompts and one row's generated tokens from an `rsd bench` result (the stdlib prompts are
+Reads the prompts and one row's generated tokens from an `rsd bench methods` result (the stdlib prompts are
 redrawn with the result's count and seed), runs both models once over prompt + generation, and
 summarises the laws at the generated positions. The toy pairs' own values are printed for comparison.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from tests.spectr_rsd_report import REGIMES, pair
+from rsd_bench.spectr_rsd_toy import REGIMES, pair
 
 
 def law_stats(q: torch.Tensor, p: torch.Tensor) -> dict[str, list[float]]:
@@ -37,7 +37,7 @@ def summary(stats: dict[str, list[float]]) -> str:
 
 def toy_stats(scale: float, sigma: float, temperature: float, mix: tuple, vocab: int = 32, n: int = 2000) -> dict:
     draft, target = pair(vocab, scale, sigma, temperature, mix=mix)
-    prefixes = [(-1 - i,) for i in range(n)]  # n root contexts, as tests.spectr_rsd_report's Monte Carlo
+    prefixes = [(-1 - i,) for i in range(n)]  # n root contexts, as rsd_bench.spectr_rsd_toy's Monte Carlo
     return law_stats(torch.stack([target(x) for x in prefixes]), torch.stack([draft(x) for x in prefixes]))
 
 
@@ -47,9 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--label", default=None, help="the row whose tokens to score (default: the first)")
     ap.add_argument("--temperature", type=float, default=1.0)
     args = ap.parse_args(argv)
+    from rsd_bench.prompts import stdlib_prompts
     from rsd_runtime.models import load_model
     from rsd_runtime.tokenizer import load_tokenizer
-    from rsd_tools.bench.prompts import stdlib_prompts
 
     result = json.loads(args.result.read_text())
     row = next(r for r in result["rows"] if args.label in (None, r["label"]) and r["temperature"] == args.temperature)

@@ -1,6 +1,6 @@
 """SpecTr K x L against RSD-S W x L at the same node count, in theory: expected tokens per target call.
 
-    python -m tests.spectr_rsd_report        # prints, and writes benchmarks/results/spectr-vs-rsd-toy.md
+    python -m rsd_bench.spectr_rsd_toy        # prints, and writes benchmarks/results/spectr-vs-rsd-toy.md
 
 Two ways, both on the library's own drafting and acceptance code (rsd.drafting, rsd.acceptance):
 
@@ -18,7 +18,7 @@ target's top token has mass ~0.6-0.9 for s = 2.5-4 at V = 32), sigma how much th
 
 from __future__ import annotations
 
-import pathlib
+import argparse
 import zlib
 from functools import cache
 
@@ -27,11 +27,12 @@ import torch
 from rsd.acceptance import RULES, step_law, verify
 from rsd.drafting import DraftMode, draft_sbs, draft_spectr
 from rsd.random import StepRandom, Stream
+from rsd_tools.defaults import RESULTS_DIR
 from tests import toy
 
 # (name, scale, sigma, T, mix) of the Monte Carlo pairs; "code-like": 70% near-certain, well-aligned
 # positions and 30% broad, misaligned ones (target top-1 mass mean ~0.7, median ~0.8; TV mean ~0.2,
-# median < 0.1: about what tests.pair_divergence measures on the Qwen2.5-Coder pair at T = 1).
+# median < 0.1: about what rsd_bench.pair_divergence measures on the Qwen2.5-Coder pair at T = 1).
 CODE_LIKE = ((0.7, 10.0, 0.6), (0.3, 2.0, 2.0))
 REGIMES = (
     ("s=2.5, sigma=0.5", 2.5, 0.5, 1.0, ()),
@@ -40,7 +41,7 @@ REGIMES = (
     ("code-like", 0.0, 0.0, 1.0, CODE_LIKE),
     ("code-like", 0.0, 0.0, 0.6, CODE_LIKE),
 )
-OUT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "spectr-vs-rsd-toy.md"
+OUT = RESULTS_DIR / "spectr-vs-rsd-toy.md"
 
 
 def pair(vocab: int, scale: float, sigma: float, temperature: float, seed: int = 0, mix: tuple = ()):
@@ -127,11 +128,14 @@ def mc_tokens_per_step(method: str, width: int, depth: int, draft, target, steps
     }
 
 
-def main(steps: int = 3000) -> None:
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m rsd_bench.spectr_rsd_toy", description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=3000, help="Monte Carlo steps per cell")
+    steps = ap.parse_args(argv).steps
     lines = [
         "# SpecTr K x L vs RSD-S W x L on a toy pair (expected tokens per target call)",
         "",
-        "`python -m tests.spectr_rsd_report` (tests/spectr_rsd_report.py describes the toy pairs). K = W = 3,",
+        "`python -m rsd_bench.spectr_rsd_toy` (rsd_bench/spectr_rsd_toy.py describes the toy pairs). K = W = 3,",
         "the shapes of the fixed-depth protocol. Exact: enumeration of every tree and verdict (V = 4, L = 2),",
         "averaged over 3 root contexts. Monte Carlo (V = 32): every step in its own root context (its own laws),",
         f"{steps} steps per cell with the library's drafting and verify, ± one standard error;",
@@ -170,7 +174,8 @@ def main(steps: int = 3000) -> None:
             print(lines[-1], flush=True)
     OUT.write_text("\n".join(lines) + "\n")
     print(f"wrote {OUT}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""One benchmark run (imported by rsd_tools.bench.cli once the flags are checked: torch and transformers
+"""One benchmark run (imported by rsd_bench.methods.cli once the flags are checked: torch and transformers
 load here): the models loaded once, every generation interleaved (for each prompt, for each
 temperature, every spec in turn), and the result files rewritten after every (prompt, temperature)."""
 
@@ -15,21 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from rsd.sampling import SamplingParams
-from rsd_runtime.generator import SpeculativeGenerator
-from rsd_runtime.models import (
-    load_model,
-    prepare_draft,
-    set_small_batch_rows,
-    use_small_batch_linear,
-)
-from rsd_runtime.runner import ModelRunner
-from rsd_runtime.tokenizer import load_tokenizer
-from rsd_tools.bench.hf_assisted import run_hf_assisted
-from rsd_tools.bench.machine import model_info
-from rsd_tools.bench.planning import AR_DTYPES, BUDGET_CANDIDATES, Plan, Spec
-from rsd_tools.bench.report import markdown
-from rsd_tools.bench.stats import step_tokens
-from rsd_tools.bench.timing import (
+from rsd_bench.machine import model_info
+from rsd_bench.methods.hf_assisted import run_hf_assisted
+from rsd_bench.methods.planning import AR_DTYPES, BUDGET_CANDIDATES, Plan, Spec
+from rsd_bench.methods.report import markdown
+from rsd_bench.methods.timing import (
     MBSU_FORMULA,
     Tally,
     finish_rows,
@@ -39,6 +29,16 @@ from rsd_tools.bench.timing import (
     place_rows,
     token_hash,
 )
+from rsd_bench.stats import step_tokens
+from rsd_runtime.generator import SpeculativeGenerator
+from rsd_runtime.models import (
+    load_model,
+    prepare_draft,
+    set_small_batch_rows,
+    use_small_batch_linear,
+)
+from rsd_runtime.runner import ModelRunner
+from rsd_runtime.tokenizer import load_tokenizer
 
 
 def log(msg: str) -> None:

@@ -183,7 +183,7 @@ def _insert_ar(specs: list[Spec], where: dict[str, list], shape: str) -> None:
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
-    """The Plan of rsd bench's flags; ValueError names a bad flag."""
+    """The Plan of rsd bench methods' flags; ValueError names a bad flag."""
     from rsd_runtime.models import parse_dtype
 
     if args.protocol and (args.config or args.method or args.quick):

@@ -1,6 +1,6 @@
-"""Two methods of one `rsd bench` result, depth by depth: is the gap in block efficiency noise?
+"""Two methods of one `rsd bench methods` result, depth by depth: is the gap in block efficiency noise?
 
-    python -m rsd_tools.bench.compare benchmarks/results/NAME.json spectr rsd_s [--temperature 1]
+    python -m rsd_bench.methods.compare benchmarks/results/NAME.json spectr rsd_s [--temperature 1]
 
 For each depth where both methods have a row at the temperature, prints (markdown): both block
 efficiencies, their difference A - B with two 95% intervals, and where the accepted paths ended:
@@ -23,7 +23,7 @@ import random
 import statistics
 from pathlib import Path
 
-from rsd_tools.bench.stats import BOOTSTRAP_RESAMPLES
+from rsd_bench.stats import BOOTSTRAP_RESAMPLES
 
 
 def difference_interval(a: list[int], b: list[int], resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> list:
@@ -88,8 +88,8 @@ def compare(result: dict, a: str, b: str, temperature: float) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m rsd_tools.bench.compare", description=__doc__.split("\n")[0])
-    ap.add_argument("result", type=Path, help="an rsd bench JSON result")
+    ap = argparse.ArgumentParser(prog="python -m rsd_bench.methods.compare", description=__doc__.split("\n")[0])
+    ap.add_argument("result", type=Path, help="an rsd bench methods JSON result")
     ap.add_argument("a", help="method name, e.g. spectr")
     ap.add_argument("b", help="method name, e.g. rsd_s")
     ap.add_argument("--temperature", type=float, default=1.0)

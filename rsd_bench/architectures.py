@@ -1,5 +1,6 @@
-"""Print (and write to benchmarks/results/architectures.md) the architecture table of the README, from
-the test matrix (tests/architectures.py): `python -m tests.arch_report`.
+"""Architectures, exact or refused: the README's table from the test matrix (tests/architectures.py); prints
+it and writes benchmarks/results/architectures.md (`rsd bench architectures`). It replays the test suite's
+matrix and per-path reference (tests/test_runner.py), so it runs from a source checkout, where tests/ is.
 
 Per architecture: the attention backend load_model picked, the plan check_model made (or its
 refusal), the largest tree-forward logit error against per-path causal forwards (a sequence 3x the
@@ -10,6 +11,7 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import argparse
 import pathlib
 import tempfile
 
@@ -22,6 +24,7 @@ from rsd_runtime.attention import UnsupportedModelError
 from rsd_runtime.generator import SpeculativeGenerator
 from rsd_runtime.models import load_model
 from rsd_runtime.runner import ModelRunner
+from rsd_tools.defaults import RESULTS_DIR
 from tests.architectures import ARCHS, WINDOW, save_pair
 from tests.test_runner import causal_logits, path, random_tree
 
@@ -81,7 +84,10 @@ def rows(root: pathlib.Path) -> list[str]:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(prog="python -m rsd_bench.architectures", description=__doc__.split("\n")[0]).parse_args(
+        argv
+    )
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         table = rows(pathlib.Path(tmp))
@@ -89,17 +95,17 @@ def main() -> None:
         "# Architectures: exact or refused",
         "",
         f"Tiny random models of each architecture (tests/architectures.py; sliding windows of {WINDOW} tokens, "
-        "sequences of 30+), loaded with `load_model` (attention `auto`). `python -m tests.arch_report`.",
+        "sequences of 30+), loaded with `load_model` (attention `auto`). `python -m rsd_bench.architectures`.",
         "",
         HEADER,
         "| --- | --- | --- | --- | --- |",
         *table,
     ]
     text = "\n".join(lines) + "\n"
-    out = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "architectures.md"
-    out.write_text(text)
+    (RESULTS_DIR / "architectures.md").write_text(text)
     print(text)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

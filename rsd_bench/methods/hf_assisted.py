@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from rsd_tools.bench.planning import Spec
+from rsd_bench.methods.planning import Spec
 
 # transformers 5.24's defaults for assisted generation (GenerationConfig._get_default_generation_params).
 _HF_DEFAULTS = {

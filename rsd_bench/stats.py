@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 import statistics
 
-BOOTSTRAP_RESAMPLES = 1000  # rsd bench --bootstrap; the disaggregated bench has its own default
+BOOTSTRAP_RESAMPLES = 1000  # rsd bench methods --bootstrap; the disaggregated bench has its own default
 
 
 def bootstrap_interval(per_step: list[int], resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> list[float]:

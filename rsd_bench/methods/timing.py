@@ -9,8 +9,8 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from rsd_tools.bench.planning import AR_DTYPES, Spec
-from rsd_tools.bench.stats import BOOTSTRAP_RESAMPLES, bootstrap_interval
+from rsd_bench.methods.planning import AR_DTYPES, Spec
+from rsd_bench.stats import BOOTSTRAP_RESAMPLES, bootstrap_interval
 
 MBSU_FORMULA = (
     "mbsu = block_efficiency / (1 + c * draft_forwards_per_step), c = draft / target single-token forward "
@@ -174,7 +174,7 @@ def make_row(
         "draft_forwards": tally.draft_forwards if calls else None,
         "draft_forwards_per_step": fwd_per_step,
         "block_efficiency": be,
-        "block_efficiency_ci95": ci95,  # percentile bootstrap over steps (rsd_tools.bench.stats)
+        "block_efficiency_ci95": ci95,  # percentile bootstrap over steps (rsd_bench.stats)
         "steps": len(per_step) if whole else None,
         "mbsu": mbsu,
         "acceptance_by_depth": acceptance,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rsd_tools.bench.planning import METHOD_ORDER
+from rsd_bench.methods.planning import METHOD_ORDER
 
 
 def _method_cell(r: dict) -> str:

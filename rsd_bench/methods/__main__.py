@@ -1,0 +1,5 @@
+import sys
+
+from rsd_bench.methods.cli import main
+
+sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from rsd_cli import main
+
+sys.exit(main())

@@ -1,5 +1,0 @@
-import sys
-
-from rsd_tools.bench.cli import main
-
-sys.exit(main())
