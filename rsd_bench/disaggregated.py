@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.gateway_cores is None:  # the drafter's core: the verifier's forward is the critical path
         args.gateway_cores = args.drafter_cores
-    from rsd_bench.machine import machine_info, write_result
+    from rsd_bench.machine import machine_info, run_record, write_result
     from rsd_bench.prompts import stdlib_prompts
     from rsd_runtime.tokenizer import load_tokenizer
     from rsd_tools.launcher import model_dirs
@@ -287,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 cluster.stop(15.0, at_once=True)
     result = {
+        **run_record("disaggregated"),
         "complete": True,
         "draft": str(draft),
         "target": str(target),

@@ -24,7 +24,7 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
-from rsd_bench.machine import machine_info, write_result
+from rsd_bench.machine import machine_info, run_record, write_result
 from rsd_service.placement import add_placement_flags, apply_placement
 from rsd_tools.defaults import RESULTS_DIR
 
@@ -137,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
     result = {
+        **run_record("draft_batching"),
         "complete": True,
         "draft": str(draft_dir),
         "dtype": args.dtype,

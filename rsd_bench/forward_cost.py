@@ -21,7 +21,7 @@ import argparse
 import time
 from pathlib import Path
 
-from rsd_bench.machine import machine_info, write_result
+from rsd_bench.machine import machine_info, run_record, write_result
 from rsd_service.placement import add_placement_flags, apply_placement
 from rsd_tools.defaults import RESULTS_DIR
 
@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         r["ratio_to_fastest_1_token"] = round(r["ms"] / fastest_one, 3)
     result = {
+        **run_record("forward_cost"),
         "complete": True,
         "target": str(target_dir),
         "dtype": args.dtype,

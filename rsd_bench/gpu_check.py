@@ -50,13 +50,13 @@ from pathlib import Path
 
 from rsd_bench.gpu_record import (
     config_record,
-    git_commit,
     machine_record,
     markdown,
     stats_record,
     summarise,
     tests_record,
 )
+from rsd_bench.machine import run_record
 from rsd_tools.defaults import RESULTS_DIR
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: nothing here touches a hub
@@ -360,9 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     configs = pair_configs(args.tiny)
     result: dict = {
+        **run_record("gpu_check"),
         "complete": False,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": git_commit(),
         "tiny": args.tiny,
         "machine": machine_record(args.device),
         "models": {role: config_record(c) for role, c in configs.items()},

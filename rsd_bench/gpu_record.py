@@ -3,14 +3,13 @@ pytest's outcome, the summary table and the .md written beside the json."""
 
 from __future__ import annotations
 
-import os
 import platform
 import statistics
 import subprocess
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from rsd_bench.machine import cpu_info
 
 
 def config_record(config) -> dict:
@@ -65,30 +64,13 @@ def summarise(rows: list[dict]) -> list[dict]:
     return table
 
 
-def git_commit() -> str:
-    if os.environ.get("RSD_GIT_COMMIT"):
-        return os.environ["RSD_GIT_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
-
-
 def machine_record(device: str) -> dict:
-    """The machine without rsd_bench.machine's small_gemm probe (it compiles CPU kernels)."""
+    """The machine without machine_info's small_gemm probe (it compiles CPU kernels)."""
     import torch
     import transformers
 
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        cpuinfo = ""
-    names = [line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")]
-    cpu = names[0] if names else platform.processor() or "unknown"
     record = {
-        "cpu_model": cpu,
-        "cores": os.cpu_count(),
+        **cpu_info(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "transformers": transformers.__version__,

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import grpc
 
+from rsd_bench.machine import cpu_info, run_record
 from rsd_service.client import RsdClient
 from rsd_tools.defaults import DEFAULT_METHOD
 
@@ -218,7 +219,7 @@ def to_markdown(report: LoadReport) -> str:
 def write_report(report: LoadReport, out: str) -> tuple[Path, Path]:
     json_path, md_path = Path(f"{out}.json"), Path(f"{out}.md")
     json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(asdict(report), indent=2) + "\n")
+    json_path.write_text(json.dumps({**run_record("loadtest"), **asdict(report)}, indent=2) + "\n")
     md_path.write_text(to_markdown(report))
     return json_path, md_path
 
@@ -334,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         "temperature": args.temperature,
         "max_new_tokens": args.max_new_tokens,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "cpu": cpu_info(),  # the machine class (rsd_bench.index)
     }
     report = summarize(args, results, wall_s, memory, setup)
     json_path, md_path = write_report(report, args.out)

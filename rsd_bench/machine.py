@@ -1,11 +1,40 @@
-"""What the result files record about the models and the machine."""
+"""What the result files record: which benchmark ran, when, on what code (run_record); the machine; the models."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import platform
+import subprocess
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_record(benchmark: str) -> dict:
+    """The keys every result starts with; rsd_bench.index reads them (benchmark, UTC date, commit of the code)."""
+    return {
+        "benchmark": benchmark,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+    }
+
+
+def git_commit() -> str:
+    """HEAD of the checkout, "+dirty" when tracked code differs from it (results aside); RSD_GIT_COMMIT where
+    the checkout has no .git."""
+    if os.environ.get("RSD_GIT_COMMIT"):
+        return os.environ["RSD_GIT_COMMIT"]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
+        status = ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/results"]
+        changed = subprocess.run(status, cwd=REPO, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    if head.returncode != 0 or not head.stdout.strip():
+        return "unknown"
+    return head.stdout.strip() + ("+dirty" if changed.returncode == 0 and changed.stdout.strip() else "")
 
 
 def model_info(path: Path, model, dtype: str, device: str, params: int | None = None) -> dict:
@@ -35,6 +64,25 @@ def machine_info() -> dict:
 
     from rsd_runtime import row_attention, small_gemm
 
+    return {
+        **cpu_info(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        # the small-row linear kernel per weight dtype on this machine (None: torch's F.linear)
+        "small_gemm_kernels": {
+            str(dtype).removeprefix("torch."): small_gemm.kernel_name(dtype)
+            for dtype in (torch.float32, torch.bfloat16, torch.int8)
+        },
+        "row_attention": row_attention.available(),  # each query row reduced alone (batch-invariant attention)
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "loadavg_start": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def cpu_info() -> dict:
+    """The CPU alone, without torch: its model, cores, and the flags that decide its machine class."""
     cpu = platform.processor() or "unknown"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -47,19 +95,7 @@ def machine_info() -> dict:
         "cpu_model": cpu,
         "cores": os.cpu_count(),
         "cores_available": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
         "cpu_flags": _cpu_flags(),
-        # the small-row linear kernel per weight dtype on this machine (None: torch's F.linear)
-        "small_gemm_kernels": {
-            str(dtype).removeprefix("torch."): small_gemm.kernel_name(dtype)
-            for dtype in (torch.float32, torch.bfloat16, torch.int8)
-        },
-        "row_attention": row_attention.available(),  # each query row reduced alone (batch-invariant attention)
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "loadavg_start": [round(x, 2) for x in os.getloadavg()],
     }
 
 

@@ -19,7 +19,7 @@ import argparse
 import time
 from pathlib import Path
 
-from rsd_bench.machine import machine_info, write_result
+from rsd_bench.machine import machine_info, run_record, write_result
 from rsd_service.placement import add_placement_flags, apply_placement
 from rsd_tools.defaults import RESULTS_DIR
 
@@ -115,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             runner.commit([])
     cost = [{"rows": r, "ms": round(best[r] * 1e3, 1), "vs_one_row": round(best[r] / best[rows[0]], 2)} for r in rows]
     result = {
+        **run_record("predraft_coverage"),
         "complete": True,
         "draft": str(draft_dir),
         "target": str(target_dir),

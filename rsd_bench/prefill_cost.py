@@ -16,7 +16,7 @@ import argparse
 import time
 from pathlib import Path
 
-from rsd_bench.machine import machine_info, write_result
+from rsd_bench.machine import machine_info, run_record, write_result
 from rsd_service.placement import add_placement_flags, apply_placement
 from rsd_tools.defaults import RESULTS_DIR
 
@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
     result = {
+        **run_record("prefill_cost"),
         "complete": True,
         "target": str(target_dir),
         "dtype": args.dtype,

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rsd_bench.gateway_runs import Run, concurrent_runs, est_ratio, gateway_run, step_split
-from rsd_bench.machine import machine_info
+from rsd_bench.machine import machine_info, run_record
 from rsd_bench.services_report import MISSING, SPLIT_DEFINITIONS, render_md
 from rsd_tools.defaults import CODE_PROMPT, DEFAULT_METHOD, DEFAULT_SHAPES, RESULTS_DIR, TEMPERATURES
 from rsd_tools.launcher import (
@@ -398,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         services.cluster.stop(at_once=True)
 
     report = {
+        **run_record("services"),
         "name": args.name,
         "complete": True,  # written only after every part ran (a failure raises before this)
         "created": time.strftime("%Y-%m-%d %H:%M:%S %Z"),

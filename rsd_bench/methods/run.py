@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rsd.sampling import SamplingParams
-from rsd_bench.machine import model_info
+from rsd_bench.machine import model_info, run_record
 from rsd_bench.methods.hf_assisted import run_hf_assisted
 from rsd_bench.methods.planning import AR_DTYPES, BUDGET_CANDIDATES, Plan, Spec
 from rsd_bench.methods.report import markdown
@@ -95,6 +95,7 @@ class BenchRun:
     def __init__(self, args, plan: Plan, models: Models, prompts, source: str, machine: dict, placement, t_start):
         self.args, self.plan, self.models, self.prompts, self.source = args, plan, models, prompts, source
         self.machine, self.placement, self.t_start = machine, placement, t_start
+        self.record = run_record("methods")  # once: the result is rewritten after every prompt
         self.encoded = [models.tokenizer.encode(p["prompt"]) for p in prompts]
         if any(not ids for ids in self.encoded):
             raise SystemExit("error: a prompt encodes to no tokens")
@@ -232,6 +233,7 @@ class BenchRun:
                 "quantize_variants": {m: models.quantized[m] for m in modes[1:]},
             }
         return {
+            **self.record,
             "name": args.name,
             "models": {
                 "target": model_info(Path(models.target_dir), models.target_model, plan.target_dtype, args.device),
