@@ -61,8 +61,12 @@ def _best(rows: list[dict], key: str) -> dict:
 
 
 def _methods(r: dict) -> str:
-    best = _best([row for row in r["rows"] if row.get("method") != "ar"], "speedup_vs_ar")
-    return f"{best['speedup_vs_ar']:.2f}x the target alone: {best['label']}, T={best['temperature']:g}"
+    rows = [row for row in r["rows"] if row.get("method") != "ar"]
+    if any(isinstance(row.get("speedup_vs_ar"), (int, float)) for row in rows):
+        best = _best(rows, "speedup_vs_ar")
+        return f"{best['speedup_vs_ar']:.2f}x the target alone: {best['label']}, T={best['temperature']:g}"
+    best = _best(rows, "block_efficiency")  # a run without the target alone (--only)
+    return f"block efficiency {best['block_efficiency']:.2f}: {best['label']}, T={best['temperature']:g} (no ar row)"
 
 
 def _disaggregated(r: dict) -> str:
