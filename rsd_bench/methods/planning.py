@@ -11,7 +11,7 @@ from rsd_tools.defaults import DEFAULT_SHAPES as METHOD_SHAPES
 from rsd_tools.defaults import TEMPERATURES
 
 DEFAULT_SHAPES = {**METHOD_SHAPES, "hf_assisted": ""}  # hf_assisted: transformers' own schedule
-QUICK_CONFIG = "ar;sd:4;specinfer:2,2,1;spectr:3x4;rsd_c:2,2,1;rsd_s:3x4;hf_assisted"  # ~10 min on 2 cores
+QUICK_CONFIG = "ar;sd:4;specinfer:2,2,1;spectr:3x4;rsd_c:2,2,1;rsd_s:3x4;hf_assisted"  # every method, one shape each
 NUM_PROMPTS, QUICK_NUM_PROMPTS = 10, 2  # prompts drawn when --num-prompts is not given (without / with --quick)
 MAX_NEW_TOKENS, QUICK_MAX_NEW_TOKENS = 64, 24  # likewise --max-new-tokens
 DEPTHS = (2, 3, 4, 5)
