@@ -1,6 +1,7 @@
 """Run one benchmark by name: `rsd bench NAME [flags]`; `rsd bench NAME -h` gives its flags.
 
-Each benchmark is named after what it measures and is also `python -m MODULE` (BENCHMARKS names the module).
+Each benchmark is named after what it measures and is also `python -m MODULE`, the module BENCHMARKS names
+(`rsd bench methods` is `python -m rsd_bench.methods`).
 
     rsd bench methods --quick                   # every method against the target alone, in one process
     rsd bench disaggregated --name cpu-disaggregated   # the deciding one: through the real services
