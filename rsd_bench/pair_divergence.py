@@ -42,7 +42,7 @@ def toy_stats(scale: float, sigma: float, temperature: float, mix: tuple, vocab:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="python -m rsd_bench.pair_divergence", description=__doc__.split("\n")[0])
     ap.add_argument("result", type=Path)
     ap.add_argument("--label", default=None, help="the row whose tokens to score (default: the first)")
     ap.add_argument("--temperature", type=float, default=1.0)
