@@ -306,12 +306,14 @@ def test_small_batch_linear_path_per_dtype(dtype):
     weight @ x.T (rows > 4 padded to a multiple of 8) and bf16 keeps F.linear (oneDNN) up to 8 rows and only
     then transposes; beyond max_rows, F.linear."""
     from rsd_runtime import small_gemm
-    from rsd_runtime.models import set_small_batch_rows, use_small_batch_linear
+    from rsd_runtime.linear import SmallBatchLinear, set_small_batch_rows, use_small_batch_linear
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 48)).to(dtype)
-    layer = model[0]
+    weight = model[0].weight
     assert use_small_batch_linear(model, max_rows=16) == 1
+    layer = model[0]  # the nn.Linear replaced by a SmallBatchLinear over the same Parameters
+    assert type(layer) is SmallBatchLinear and layer.weight is weight
     for rows in (1, 3, 8, 13, 16, 40):
         x = torch.randn(2, rows, 32, dtype=dtype)[:1]  # [1, R, in]: a batch of one, as the runner uses
         plain = torch.nn.functional.linear(x, layer.weight, layer.bias)
@@ -333,7 +335,7 @@ def test_set_linear_kernel_switches_one_loaded_model(pairs):
     """forward_cost's switch: each kernel gives a tiny target's logits within float rounding of a model that
     was never patched (f_linear: exactly), back and forth on one model; a bad name or an unpatched model
     is refused."""
-    from rsd_runtime.models import set_linear_kernel
+    from rsd_runtime.linear import set_linear_kernel
 
     plain = load_model(pairs["qwen2"][1], small_batch_rows=0)  # nn.Linear's own forward everywhere
     model = load_model(pairs["qwen2"][1], small_batch_rows=64)

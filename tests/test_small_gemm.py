@@ -126,7 +126,8 @@ def test_a_model_uses_the_kernel_and_keeps_its_logits(dtype, tmp_path, monkeypat
         pytest.skip(f"load_model keeps F.linear for {dtype} on this CPU")
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from rsd_runtime.models import load_model, set_linear_kernel
+    from rsd_runtime.linear import set_linear_kernel
+    from rsd_runtime.models import load_model
 
     torch.manual_seed(0)
     config = LlamaConfig(

@@ -16,12 +16,8 @@ from typing import Any
 
 from rsd.sampling import SamplingParams
 from rsd_runtime.generator import SpeculativeGenerator
-from rsd_runtime.models import (
-    load_model,
-    prepare_draft,
-    set_small_batch_rows,
-    use_small_batch_linear,
-)
+from rsd_runtime.linear import set_small_batch_rows, use_small_batch_linear
+from rsd_runtime.models import load_model, prepare_draft
 from rsd_runtime.runner import ModelRunner
 from rsd_runtime.tokenizer import load_tokenizer
 from rsd_tools.bench.hf_assisted import run_hf_assisted
