@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     from rsd.methods import Method
     from rsd.random import StepRandom, Stream
     from rsd.sampling import SamplingParams
-    from rsd_runtime.generator import Drafter
+    from rsd_runtime.engines import Drafter
     from rsd_runtime.models import load_model, prepare_draft
     from rsd_runtime.packed import PackedForwards
     from rsd_runtime.runner import ModelRunner

@@ -370,7 +370,7 @@ def test_catch_up_computes_logits_for_the_tree_only(model, monkeypatch, takes_lo
     gets no logits: the output layer runs on the tree's rows alone, and they equal the full forward's. A
     model whose forward has no logits_to_keep gets the same rows by slicing after."""
     import rsd_runtime.runner as runner_mod
-    from rsd_runtime.generator import forward_with_catch_up
+    from rsd_runtime.engines import forward_with_catch_up
 
     if not takes_logits_to_keep:
         monkeypatch.setattr(runner_mod, "_takes_logits_to_keep", lambda cls: False)
