@@ -125,12 +125,12 @@ def replace_linear(
     """Replace every child of `model` (at any depth) whose type is exactly one of `kinds` with make(child); a
     layer held by two parents gets one replacement. Returns the number of layers replaced."""
     made: dict[int, torch.nn.Module] = {}
-    children = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()]
-    for parent, name, child in children:
-        if type(child) in kinds:
+    for path, child in list(model.named_modules(remove_duplicate=False)):  # every place a layer is held
+        if path and type(child) in kinds:
             if id(child) not in made:
                 made[id(child)] = make(child)
-            setattr(parent, name, made[id(child)])
+            parent, _, name = path.rpartition(".")
+            setattr(model.get_submodule(parent), name, made[id(child)])
     return len(made)
 
 

@@ -72,6 +72,19 @@ def test_lean_weights_are_shared_not_copied(root):
     assert not any(type(m).__module__ == "rsd_runtime.lean" for m in model.modules())  # modules() is the model's own
 
 
+def test_lean_runs_the_layers_swapped_in_after_it(root):
+    """The lean forward reads the model's modules at each call: a layer replaced after it was made runs."""
+    from rsd_runtime.linear import plain_linear
+
+    own, lean = pair_of_drafters(build_tiny_pair(root, "qwen2")[0], "none")
+    assert plain_linear(lean) > 0  # every SmallBatchLinear back to an nn.Linear
+    ran = []
+    lean.model.layers[0].self_attn.o_proj.register_forward_hook(lambda *_: ran.append(1))
+    a, b = (prefilled(m, [5, 6, 7, 8]).forward(torch.tensor([3, 4]), torch.tensor([-1, 0])) for m in (own, lean))
+    torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+    assert len(ran) == 2  # the prefill and the tree, through the new o_proj
+
+
 def test_lean_packed_forward_matches_alone(root):
     _, lean = pair_of_drafters(build_tiny_pair(root, "qwen2")[0], "none")
     from rsd_runtime.attention import check_model

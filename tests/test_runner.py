@@ -331,6 +331,22 @@ def test_small_batch_linear_path_per_dtype(dtype):
     assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
 
 
+def test_small_batch_linear_replaces_children_and_keeps_shared_and_tied_weights():
+    """use_small_batch_linear swaps modules, it patches none: a layer held twice stays one layer, a head tied to
+    the embeddings stays tied (the same Parameter), and plain_linear swaps nn.Linear back the same way."""
+    from rsd_runtime.linear import SmallBatchLinear, plain_linear, use_small_batch_linear
+
+    emb, shared, head = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 16, bias=False)
+    head.weight = emb.weight
+    model = torch.nn.ModuleDict({"emb": emb, "a": shared, "b": shared, "head": head})
+    assert use_small_batch_linear(model, 16) == 2
+    assert type(model["a"]) is SmallBatchLinear and model["a"] is model["b"] and model["a"].weight is shared.weight
+    assert model["head"].weight is emb.weight and model["head"].small_batch_rows == 16
+    assert use_small_batch_linear(model, 0, "torch") == 2 and not model["a"].small_gemm  # set again, not wrapped
+    assert plain_linear(model) == 2
+    assert type(model["head"]) is torch.nn.Linear and model["head"].weight is emb.weight and model["a"] is model["b"]
+
+
 def test_set_linear_kernel_switches_one_loaded_model(pairs):
     """forward_cost's switch: each kernel gives a tiny target's logits within float rounding of a model that
     was never patched (f_linear: exactly), back and forth on one model; a bad name or an unpatched model
