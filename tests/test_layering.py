@@ -171,13 +171,17 @@ def test_no_import_cycles():
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
+# A made-up package whose only cycle is closed by an import inside a function (parsed at collection, as TREES).
+FUNCTION_LEVEL_CYCLE = {
+    "pkg": ast.parse("from pkg import a, b, c\n"),  # pkg <-> pkg.c: a package's re-exports, no cycle
+    "pkg.a": ast.parse("import torch\n\ndef f():\n    from pkg.b import g\n    return g\n"),
+    "pkg.b": ast.parse("from pkg.a import f\n\ndef g():\n    return f\n"),
+    "pkg.c": ast.parse("import pkg\n"),
+}
+
+
 def test_the_cycle_finder_sees_a_cycle_closed_inside_a_function():
-    trees = {
-        "pkg": ast.parse("from pkg import a, b\n"),  # a package re-exporting its submodules: no cycle
-        "pkg.a": ast.parse("import torch\n\ndef f():\n    from pkg.b import g\n    return g\n"),
-        "pkg.b": ast.parse("from pkg.a import f\n\ndef g():\n    return f\n"),
-        "pkg.c": ast.parse("import pkg\n"),
-    }
+    trees = dict(FUNCTION_LEVEL_CYCLE)
     assert _cycles(_import_graph(trees)) == [["pkg.a", "pkg.b", "pkg.a"]]
     del trees["pkg.b"]
     assert _cycles(_import_graph(trees)) == []
