@@ -51,7 +51,8 @@ from rsd.sampling import SamplingParams
 from rsd.tree import DraftTree
 from rsd_runtime.attention import check_model
 from rsd_runtime.compute import ComputeThread
-from rsd_runtime.generator import Drafter, Finish, cut_step, finishes
+from rsd_runtime.engines import Drafter
+from rsd_runtime.generator import Finish, cut_step, finishes
 from rsd_runtime.kvcache import common_prefix_length
 from rsd_runtime.packed import PackedForwards
 from rsd_runtime.predraft import Outcome, PreDrafter, outcome_of
@@ -132,8 +133,8 @@ class _Running:
 
 class DrafterPool:
     """The draft model of many sessions: one ModelRunner per session (kept for its next turn, evicted
-    least recently used), each run driving a rsd_runtime.generator.Drafter against a remote verifier.
-    (Names: rsd_runtime.generator's docstring.)"""
+    least recently used), each run driving a rsd_runtime.engines.Drafter against a remote verifier.
+    (Names: rsd_runtime.engines' docstring.)"""
 
     def __init__(self, model: torch.nn.Module, config: DrafterConfig, compute: ComputeThread | None = None):
         check_model(model, config.max_len)  # refuse at start, not at the first session, what trees cannot run exactly

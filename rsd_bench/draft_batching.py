@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     from rsd.random import StepRandom, Stream
     from rsd.sampling import SamplingParams
     from rsd_bench.prompts import stdlib_prompts
-    from rsd_runtime.generator import Drafter
+    from rsd_runtime.engines import Drafter
     from rsd_runtime.models import load_model, prepare_draft
     from rsd_runtime.packed import PackedForwards
     from rsd_runtime.runner import ModelRunner

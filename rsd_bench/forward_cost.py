@@ -25,7 +25,7 @@ from rsd_bench.machine import machine_info, run_record, write_result
 from rsd_service.placement import add_placement_flags, apply_placement
 from rsd_tools.defaults import RESULTS_DIR
 
-KERNELS = ("f_linear", "torch", "small_gemm")  # rsd_runtime.models.LINEAR_KERNELS (torch loads after placement)
+KERNELS = ("f_linear", "torch", "small_gemm")  # rsd_runtime.linear.LINEAR_KERNELS (torch loads after placement)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     placement = apply_placement(args.cores, args.threads)
     import torch
 
-    from rsd_runtime.models import load_model, set_linear_kernel, use_small_batch_linear
+    from rsd_runtime.linear import set_linear_kernel, use_small_batch_linear
+    from rsd_runtime.models import load_model
     from rsd_runtime.runner import ModelRunner
     from rsd_tools.provision import provision_pair
 

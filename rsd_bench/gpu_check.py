@@ -258,6 +258,7 @@ def run_dtype(args: argparse.Namespace, dirs: dict, dtype: str, deadline: float,
     from rsd.methods import Method
     from rsd.sampling import SamplingParams
     from rsd_runtime.generator import SpeculativeGenerator
+    from rsd_runtime.lean import lean_decoder
     from rsd_runtime.models import load_model, prepare_draft
     from rsd_runtime.predraft import PipelinedGenerator
     from rsd_runtime.runner import ModelRunner
@@ -269,7 +270,7 @@ def run_dtype(args: argparse.Namespace, dirs: dict, dtype: str, deadline: float,
     target_model = load_model(dirs["target"], args.device, dtype)
     draft_model = load_model(dirs["draft"], args.device, dtype)
     out["draft_prepared"] = prepare_draft(draft_model, 0, "none", dtype)
-    out["draft_lean_forward"] = "rsd_lean" in draft_model.__dict__
+    out["draft_lean_forward"] = lean_decoder(draft_model) is not None
     out["attention"] = target_model.config._attn_implementation
     max_len = max(args.context + max(args.tree_sizes), args.prompt_len + args.new_tokens + 64)
     target, draft = ModelRunner(target_model, max_len), ModelRunner(draft_model, max_len)

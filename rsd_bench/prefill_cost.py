@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     placement = apply_placement(args.cores, args.threads)
     import torch
 
-    from rsd_runtime.generator import forward_with_catch_up
+    from rsd_runtime.engines import forward_with_catch_up
     from rsd_runtime.models import load_model
     from rsd_runtime.runner import ModelRunner
     from rsd_tools.provision import provision_pair

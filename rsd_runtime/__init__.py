@@ -1,6 +1,7 @@
 """Model runtime (torch + transformers, no gRPC): loading and checking a causal LM (models, attention), its
-tokenizer (tokenizer: no torch at import), the one KV cache (kvcache), the tree-attention runner (runner), the
-single-session Drafter and Verifier with the in-process generator (generator) and pre-drafting (predraft).
+tokenizer (tokenizer: no torch at import), linear layers for a handful of rows (linear, on small_gemm's C kernels
+in csrc/), a drafter's lean forward (lean), the one KV cache (kvcache), the tree-attention runner (runner), the
+single-session Drafter and Verifier (engines), the in-process generator (generator) and pre-drafting (predraft).
 Imports only rsd/ below it."""
 
 # Model dtypes by name, for flags and configs that must not import torch to parse; models.DTYPES maps

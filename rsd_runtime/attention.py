@@ -51,8 +51,7 @@ def grouped_sdpa(module, query: Tensor, key: Tensor, value: Tensor, attention_ma
     query [B, H, n, D], key/value [B, H_kv, L, D], attention_mask [B, 1, n, L] additive. The H / H_kv query
     heads of one key/value head run as one head of rep * n queries (the mask repeated per query head), so
     the keys and values are read in place: sdpa with repeat_kv copies them rep times first, which a tree
-    forward pays in every layer (attention alone, two threads: Qwen2.5-0.5B, 4 queries x 124 keys, 94 ->
-    48 us a layer; the 1.5B target, 16 x 700, 1,048 -> 663 us). sdpa computes every query row alone, so
+    forward pays in every layer. sdpa computes every query row alone, so
     the output is sdpa's up to float rounding (its GEMMs see rep * n rows instead of n; mostly bit for
     bit). transformers packs a single query the same way already; everything else (no mask, a per-head
     mask or bias, softcapping, sinks) goes to its sdpa as is.
@@ -298,7 +297,7 @@ def probe_tree_forward(model: PreTrainedModel, plan: AttentionPlan) -> float:
     tolerance = _PROBE_TOLERANCE.get(model.dtype, _PROBE_TOLERANCE_16BIT)
     if getattr(model, "rsd_quantize", "none") != "none":
         # A dynamically quantised drafter quantises activations per forward, so a tree row differs from
-        # its path run alone (0.44 relative on Qwen2.5-0.5B) whatever the positions: models.quantize_draft
+        # its path run alone by far more than rounding, whatever the positions: models.quantize_draft
         # probes the float model before. Here only that it runs is checked: a drafter's law need only be
         # known to the verifier, not equal to anything.
         tolerance = float("inf")

@@ -4,9 +4,8 @@ torch parallelises CPU ops with OpenMP, and libgomp keeps a team of worker threa
 that ever ran a parallel region. Once a process holds more OpenMP threads than it may use cores, libgomp
 stops letting idle workers spin (about 100 spins, then sleep), and every parallel region pays a futex
 wake-up. The services ran their forwards on whichever executor thread was free (asyncio.to_thread, one
-drafting thread per session) beside the main thread that had loaded the model: several teams. Measured on
-a 2-core Xeon with 2 threads: an int8 896 -> 4,864 linear over 4 rows took 104 us with one team and
-186-212 us once a second one existed; a whole int8 Qwen2.5-0.5B rsd_s 4x3 draft 160 -> 240 ms.
+drafting thread per session) beside the main thread that had loaded the model: several teams, and each
+parallel region markedly slower than with one.
 
 So each model service loads, warms up and runs its model on one ComputeThread with the placement's
 thread count, and its process entry calls single_threaded() for everything else (asyncio, sampling in
@@ -15,8 +14,8 @@ services in one process keep working (one team per service: slower, never wrong)
 
 A team spins while it waits between parallel regions, which is what makes it fast, and what makes two
 busy processes on the same cores ruinous: a worker spins on a core the other process's thread needs, and
-every barrier waits out a scheduler slice (two 2-thread processes on 2 cores, an int8 layer stack: 1.2 ms
-a call alone, 21 ms each when both ran). So services given the same cores take turns: with `turns`, a
+every barrier waits out a scheduler slice (each far slower than alone). So services given the same cores
+take turns: with `turns`, a
 ComputeThread holds an exclusive flock on that file for each job (one packed forward, one verification),
 so at most one of them computes at a time; services on cores of their own never wait, and one-thread
 services (no workers to spin) take no turns. The services on a machine may run as different users: the

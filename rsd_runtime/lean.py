@@ -1,8 +1,7 @@
 """A lean forward for a drafter of the Llama family: the decoder written out in a few torch ops a layer.
 
-A 0.5B drafter's forward of 1-4 tokens on two CPU cores is as much Python and small-op overhead as
-arithmetic: of ~32 ms (Qwen2.5-0.5B, int8, Zen 4) the linear kernels take ~16, the rest goes to
-transformers' layers (module calls, ~40 small ops a layer: RMSNorm in six, rotary in seven, a cache
+A small drafter's forward of 1-4 tokens on a few CPU cores is as much Python and small-op overhead as
+arithmetic: transformers' layers make many module calls and small ops a layer (RMSNorm, rotary, a cache
 update, the attention dispatch). This forward computes the same function with fewer, larger steps:
 q, k and v are one linear layer (and gate and up another) whose weights the original layers keep as
 views, RMSNorm is torch's fused op, rotary runs on q and k at once, and attention is row_attention's
@@ -14,6 +13,10 @@ For DRAFTERS only: its logits equal the model's own up to float rounding (and, f
 per-row activation scales that rounding moves), which is harmless where the law drawn from is the law
 sent with the tree; a target must stay exactly as configured. use_lean_forward checks the architecture,
 then compares both forwards on a small tree and refuses (returns the reason) when they disagree.
+
+Where it lives: use_lean_forward sets the model's plain attribute `rsd_lean` (a LeanDecoder, not an
+nn.Module, so model.modules() and model.parameters() stay the model's own: quantisation, pruning and the
+kernel switches see each layer once); lean_decoder(model) reads it. Nothing else touches the attribute.
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rsd_runtime import row_attention
+from rsd_runtime.attention import check_model, probe_inputs, relative_logit_error
+from rsd_runtime.kvcache import SequenceKVCache
+from rsd_runtime.linear import Int8Linear, SmallBatchLinear
 
 log = logging.getLogger(__name__)
 
@@ -52,14 +58,14 @@ def lean_unsupported(model: torch.nn.Module) -> str:
     return ""
 
 
-class _Fused(torch.nn.Module):
-    """Linear layers over the same input as one call: their outputs side by side. The parts keep their own
-    modules, their weights turned into views of the fused ones (no second copy)."""
+class _Fused:
+    """The linear layers `names` of `owner`, over the same input, as one call: their outputs side by side. The
+    layers stay the owner's, their weights turned into views of the fused ones (no second copy); the fused
+    layer follows the first one's small-batch settings at each call (set_small_batch_rows, set_linear_kernel)."""
 
-    def __init__(self, parts: list[torch.nn.Module]):
-        super().__init__()
-        from rsd_runtime.models import Int8Linear, use_small_batch_linear
-
+    def __init__(self, owner: torch.nn.Module, names: tuple[str, ...]):
+        parts = [getattr(owner, n) for n in names]
+        self.owner, self.first = owner, names[0]
         self.sizes = [p.out_features for p in parts]
         if all(type(p) is Int8Linear for p in parts):
             fused = Int8Linear.__new__(Int8Linear)
@@ -71,81 +77,77 @@ class _Fused(torch.nn.Module):
                 if values[0] is not None:
                     for p, view in zip(parts, getattr(fused, name).split(self.sizes), strict=True):
                         setattr(p, name, view)
-        elif all(type(p) is torch.nn.Linear for p in parts):
+        elif all(type(p) in (torch.nn.Linear, SmallBatchLinear) for p in parts):
             weight = torch.cat([p.weight for p in parts])
             has_bias = parts[0].bias is not None
-            fused = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, device=weight.device)
-            fused.to(weight.dtype).requires_grad_(False)
-            fused.weight.copy_(weight)
+            linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, device=weight.device)
+            linear.to(weight.dtype).requires_grad_(False)
+            linear.weight.copy_(weight)
             if has_bias:
-                fused.bias.copy_(torch.cat([p.bias for p in parts]))
+                linear.bias.copy_(torch.cat([p.bias for p in parts]))
             for name in ("weight", "bias") if has_bias else ("weight",):
-                for p, view in zip(parts, getattr(fused, name).split(self.sizes), strict=True):
+                for p, view in zip(parts, getattr(linear, name).split(self.sizes), strict=True):
                     setattr(p, name, torch.nn.Parameter(view, requires_grad=False))
-            use_small_batch_linear(fused, 0)  # its rows and kernel follow parts[0]'s at each call (forward)
+            fused = SmallBatchLinear(linear, 0)
         else:
             fused = None  # e.g. torch's dynamic int8 layers: called one by one
-        self.fused, self.parts = fused, parts
+        self.fused, self.names = fused, names
 
-    def forward(self, x: Tensor) -> Tensor:  # [n, K] -> [n, Σ out]
+    def __call__(self, x: Tensor) -> Tensor:  # [n, K] -> [n, Σ out]
+        if isinstance(self.fused, SmallBatchLinear):
+            first = getattr(self.owner, self.first)
+            self.fused.small_batch_rows = getattr(first, "small_batch_rows", 0)
+            self.fused.small_gemm = getattr(first, "small_gemm", False)
         if self.fused is not None:
-            if hasattr(self.fused, "small_batch_rows"):  # set_small_batch_rows / set_linear_kernel on the model
-                self.fused.small_batch_rows = getattr(self.parts[0], "small_batch_rows", 0)
-                self.fused.small_gemm = getattr(self.parts[0], "small_gemm", False)
             return self.fused(x)
-        return torch.cat([p(x) for p in self.parts], dim=-1)
+        return torch.cat([getattr(self.owner, n)(x) for n in self.names], dim=-1)
 
 
-class LeanDecoder(torch.nn.Module):
-    """The model's decoder as a lean forward: see the module docstring."""
+class LeanDecoder:
+    """The model's decoder as a lean forward: see the module docstring. It reads the model's modules at each
+    call (a layer swapped in after it was made, say by use_small_batch_linear, is the one that runs), except
+    the fused q/k/v and gate/up layers it made."""
 
     def __init__(self, model: torch.nn.Module):
-        super().__init__()
         config = model.config.get_text_config()
-        base = model.model
-        self.embed, self.norm, self.rotary = base.embed_tokens, base.norm, base.rotary_emb
-        self.head = model.get_output_embeddings()
+        self.model = model
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.calls = 0  # forwards run (tests check that the runner takes this path)
-        self.layers = []
-        for layer in base.layers[: config.num_hidden_layers]:
-            attn, mlp = layer.self_attn, layer.mlp
-            self.layers.append(
-                (
-                    layer.input_layernorm,
-                    _Fused([attn.q_proj, attn.k_proj, attn.v_proj]),
-                    attn.o_proj,
-                    layer.post_attention_layernorm,
-                    _Fused([mlp.gate_proj, mlp.up_proj]),
-                    mlp.down_proj,
-                    attn.scaling,
-                )
+        self.layers = [
+            (
+                layer,
+                _Fused(layer.self_attn, ("q_proj", "k_proj", "v_proj")),
+                _Fused(layer.mlp, ("gate_proj", "up_proj")),
             )
+            for layer in model.model.layers[: config.num_hidden_layers]
+        ]
 
     @staticmethod
     def _rms(norm: torch.nn.Module, x: Tensor) -> Tensor:
         eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
         return F.rms_norm(x, norm.weight.shape, norm.weight, eps)
 
-    def forward(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor, cache, rows: Tensor) -> Tensor:
+    def __call__(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor, cache, rows: Tensor) -> Tensor:
         """input_ids, position_ids [1, n], attention_mask [1, 1, n, L] additive (L = cached + n keys),
         cache a transformers Cache of this model's layers (written as the model's own forward would),
         rows [R] -> float32 logits [R, V] at those rows."""
         n = input_ids.shape[1]
         hq, hkv, d = self.heads, self.kv_heads, self.head_dim
         rep = hq // hkv
-        x = self.embed(input_ids[0])  # [n, H]
-        cos, sin = self.rotary(x, position_ids)  # [1, n, D] each
+        base = self.model.model
+        x = base.embed_tokens(input_ids[0])  # [n, H]
+        cos, sin = base.rotary_emb(x, position_ids)  # [1, n, D] each
         cos, sin = cos[0, :, None], sin[0, :, None]  # [n, 1, D]
         half = d // 2
         sin_signed = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)  # rotate_half's signs, once
         # Each query head's copy of the mask: [1, 1, rep * n, L] (grouped attention, as grouped_sdpa)
         mask = attention_mask[:, :, None].expand(1, 1, rep, n, attention_mask.shape[-1]).reshape(1, 1, rep * n, -1)
         allowed = attention_mask[0, 0] == 0  # [n, L]: row_attention's form of the additive mask
-        for i, (ln1, qkv_proj, o_proj, ln2, gate_up, down, scaling) in enumerate(self.layers):
-            qkv = qkv_proj(self._rms(ln1, x))  # [n, (hq + 2 hkv) d]
+        for i, (layer, qkv_proj, gate_up) in enumerate(self.layers):
+            scaling = layer.self_attn.scaling
+            qkv = qkv_proj(self._rms(layer.input_layernorm, x))  # [n, (hq + 2 hkv) d]
             qk = qkv[:, : (hq + hkv) * d].view(n, hq + hkv, d)
             qk = qk * cos + qk.roll(half, dims=-1) * sin_signed  # rotary on q and k at once
             q = qk[:, :hq]  # [n, hq, d]
@@ -160,12 +162,12 @@ class LeanDecoder(torch.nn.Module):
                 q = q.view(n, hkv, rep, d).permute(1, 2, 0, 3).reshape(1, hkv, rep * n, d)
                 out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
                 out = out.view(hkv, rep, n, d).permute(2, 0, 1, 3).reshape(n, hq * d)  # [n, hq d]
-            x = x + o_proj(out)
-            gu = gate_up(self._rms(ln2, x))  # [n, 2 I]
+            x = x + layer.self_attn.o_proj(out)
+            gu = gate_up(self._rms(layer.post_attention_layernorm, x))  # [n, 2 I]
             inter = gu.shape[-1] // 2
-            x = x + down(F.silu(gu[:, :inter]) * gu[:, inter:])
+            x = x + layer.mlp.down_proj(F.silu(gu[:, :inter]) * gu[:, inter:])
         self.calls += 1
-        return self.head(self._rms(self.norm, x[rows])).float()  # [R, V]
+        return self.model.get_output_embeddings()(self._rms(base.norm, x[rows])).float()  # [R, V]
 
 
 def use_lean_forward(model: torch.nn.Module) -> str:
@@ -179,19 +181,21 @@ def use_lean_forward(model: torch.nn.Module) -> str:
         if not err <= _RELATIVE_TOLERANCE:
             problem = f"its logits differ from the model's own by {err:.1e} (relative; at most {_RELATIVE_TOLERANCE})"
         else:
-            model.__dict__["rsd_lean"] = lean  # not a submodule: model.modules() stays the model's
+            model.rsd_lean = lean  # a plain attribute (LeanDecoder is no nn.Module): lean_decoder reads it
             log.info("lean draft forward on (probe tree: relative logit difference %.1e)", err)
             return ""
     log.info("lean draft forward off: %s", problem)
     return problem
 
 
+def lean_decoder(model: torch.nn.Module) -> LeanDecoder | None:
+    """The lean forward use_lean_forward gave this model, or None (the model runs its own forward)."""
+    return getattr(model, "rsd_lean", None)
+
+
 @torch.inference_mode()
 def _compare(model: torch.nn.Module, lean: LeanDecoder) -> float:
     """attention.relative_logit_error of the lean logits against the model's own over the load-time probe's tree."""
-    from rsd_runtime.attention import check_model, probe_inputs, relative_logit_error
-    from rsd_runtime.kvcache import SequenceKVCache
-
     plan = check_model(model, 8)
     ids, pos, allowed = probe_inputs(model)
     mask = plan.masks(allowed.to(model.device), pos, pos, model.dtype)

@@ -7,7 +7,6 @@ import logging
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -16,7 +15,9 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from rsd_runtime import DTYPE_NAMES, QUANTIZE_MODES, row_attention, small_gemm
-from rsd_runtime.attention import GROUPED_SDPA, ROW_SDPA
+from rsd_runtime.attention import GROUPED_SDPA, PROBE_KEYS, ROW_SDPA, check_model
+from rsd_runtime.lean import lean_decoder, use_lean_forward
+from rsd_runtime.linear import Int8Linear, SmallBatchLinear, plain_linear, replace_linear, use_small_batch_linear
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +59,10 @@ def load_model(
 ) -> PreTrainedModel:
     """A causal LM in eval mode with gradients off, on `device` (any torch device string).
 
-    small_batch_rows: linear layers over at most this many rows take use_small_batch_linear's path (on a
-    CPU rsd_runtime.small_gemm's kernels, which stream each weight once for all rows; README, *Verification
-    near the memory-bound limit*, has the measurements). None picks per device: on a CPU
-    small_gemm.preferred_rows (any number where a kernel runs, a prompt in calls of 64 rows, so a row's bits
-    never depend on its batch: batch_variance), at least 64 for float32; 0 (F.linear) elsewhere.
+    small_batch_rows: linear layers over at most this many rows take rsd_runtime.linear.SmallBatchLinear's path
+    (on a CPU rsd_runtime.small_gemm's kernels, which stream each weight once for all rows). None picks per
+    device: on a CPU small_gemm.preferred_rows (any number where a kernel runs, a prompt in calls of 64 rows, so
+    a row's bits never depend on its batch: batch_variance), at least 64 for float32; 0 (F.linear) elsewhere.
 
     attn_implementation "auto" takes sdpa where the architecture has it, as rsd_runtime.attention.grouped_sdpa
     where its layers dispatch through transformers' AttentionInterface (as row_sdpa on a CPU with AVX2: each
@@ -108,93 +108,6 @@ def load_model(
     return model
 
 
-def use_small_batch_linear(model: torch.nn.Module, max_rows: int = 64, kernel: str = "auto") -> int:
-    """Compute every nn.Linear as weight @ x.T when the input has at most max_rows rows.
-
-    On CPU, F.linear with a handful of rows is far slower than the same product written the
-    other way round, and a draft tree or a tree verification is exactly a handful of rows; rows
-    above 4 are padded to a multiple of 8 (an odd row count fell off MKL's fast path). Zero
-    rows change no other row, so results differ from F.linear only by float rounding. max_rows 0
-    switches the path off again (set_small_batch_rows); set_linear_kernel picks the kernel afterwards.
-    Returns the number of layers changed.
-
-    kernel "auto" computes float32 and bfloat16 rows with rsd_runtime.small_gemm where the CPU runs it
-    (AVX2+FMA; AMX-BF16 or AVX512-BF16; and a compiler): it streams each weight once for all rows and gives a row the
-    same value in any batch (above 64 rows in calls of 64: batch_variance); "torch" keeps the product above.
-    Without the kernel, 16-bit inputs of up to 8 rows take F.linear (oneDNN's bf16 F.linear beat the product the
-    other way round there).
-    """
-    if kernel not in ("auto", "torch"):
-        raise ValueError(f"kernel must be auto or torch, got {kernel!r}")
-
-    def forward(self: torch.nn.Linear, x: Tensor) -> Tensor:
-        rows = x.reshape(-1, x.shape[-1])  # [R, in]
-        n = rows.shape[0]
-        if n > self.small_batch_rows:
-            return torch.nn.functional.linear(x, self.weight, self.bias)
-        if self.small_gemm and small_gemm.supports(rows[: small_gemm.MAX_ROWS], self.weight):
-            # [R, out]: each weight read once for all rows (a prompt, where small_batch_rows allows it, in calls)
-            out = _in_calls(partial(small_gemm.small_gemm, weight=self.weight), rows)
-            out = out + self.bias if self.bias is not None else out
-            return out.reshape(*x.shape[:-1], out.shape[-1])
-        if n > small_gemm.MAX_ROWS:
-            return torch.nn.functional.linear(x, self.weight, self.bias)
-        if n <= 8 and x.dtype != torch.float32:
-            return torch.nn.functional.linear(x, self.weight, self.bias)
-        if n > 4 and n % 8:  # BLAS is much faster on a multiple of 8 columns: 13 rows cost more than 16
-            rows = torch.cat([rows, rows.new_zeros(8 - n % 8, rows.shape[1])])
-        out = (self.weight @ rows.T).T[:n]  # [R, out]
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], out.shape[-1])
-
-    layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
-    for layer in layers:
-        layer.small_batch_rows, layer.small_gemm = max_rows, kernel != "torch"
-        layer.forward = forward.__get__(layer)
-    return len(layers)
-
-
-def _in_calls(kernel: Callable[[Tensor], Tensor], rows: Tensor) -> Tensor:
-    """kernel over rows [R, K] in calls of at most small_gemm.MAX_ROWS rows (what its kernels take) -> [R, N];
-    a draft or a tree is one call (no split and concatenation: a layer costs microseconds of Python)."""
-    if rows.shape[0] <= small_gemm.MAX_ROWS:
-        return kernel(rows)
-    return torch.cat([kernel(c) for c in rows.split(small_gemm.MAX_ROWS)])
-
-
-def set_small_batch_rows(model: torch.nn.Module, max_rows: int) -> None:
-    """Change max_rows of a model patched by use_small_batch_linear (0: plain F.linear everywhere)."""
-    for m in model.modules():
-        if hasattr(m, "small_batch_rows"):
-            m.small_batch_rows = max_rows
-
-
-LINEAR_KERNELS = ("f_linear", "torch", "small_gemm")
-
-
-def set_linear_kernel(model: torch.nn.Module, kernel: str, max_rows: int = 64) -> int:
-    """Switch the layers use_small_batch_linear patched to one kernel for inputs of at most max_rows rows,
-    so a benchmark compares kernels on one loaded model (rsd_bench.forward_cost):
-
-        f_linear     torch's F.linear for any row count (max_rows 0)
-        torch        weight @ x.T (use_small_batch_linear's kernel "torch")
-        small_gemm   rsd_runtime.small_gemm where it takes the rows (float32: AVX2; bfloat16: AMX or AVX512-BF16),
-                     else use_small_batch_linear's kernel "auto" fallback
-
-    All three agree up to float rounding. Returns the number of layers switched. A model with no patched
-    layer is refused for "torch" and "small_gemm": it would time F.linear under another kernel's name."""
-    if kernel not in LINEAR_KERNELS:
-        raise ValueError(f"kernel must be one of {', '.join(LINEAR_KERNELS)}, got {kernel!r}")
-    layers = [m for m in model.modules() if hasattr(m, "small_batch_rows")]
-    if not layers and kernel != "f_linear":
-        raise ValueError(f"kernel {kernel!r}: no linear layer of this model is patched (use_small_batch_linear)")
-    for layer in layers:
-        layer.small_batch_rows = 0 if kernel == "f_linear" else max_rows
-        layer.small_gemm = kernel == "small_gemm"
-    return len(layers)
-
-
 def batch_variance(model: torch.nn.Module) -> str:
     """Why a row's logits from this loaded model may depend on the other rows of its forward ("" where they
     never do): on how many rows share it, which sessions they belong to, which masked keys lie between its own.
@@ -211,7 +124,7 @@ def batch_variance(model: torch.nn.Module) -> str:
     device = next(model.parameters()).device
     if device.type != "cpu":
         return f"on {device}: its GEMM and attention kernels are picked by shape"
-    if "rsd_lean" in model.__dict__ and not row_attention.available():
+    if lean_decoder(model) is not None and not row_attention.available():
         return "the lean draft forward attends with sdpa"
     config = model.config.get_text_config()
     attn = model.config._attn_implementation
@@ -225,9 +138,9 @@ def batch_variance(model: torch.nn.Module) -> str:
     for name, m in model.named_modules():
         if type(m).__module__.startswith("torch.ao.nn.quantized"):
             return f"{name}: fbgemm's dynamic int8 scales a call's activations at once"
-        if type(m) is not torch.nn.Linear:
+        if not isinstance(m, torch.nn.Linear):
             continue
-        if not getattr(m, "small_gemm", False) or m.small_batch_rows < small_gemm.ANY_ROWS:
+        if not isinstance(m, SmallBatchLinear) or not m.small_gemm or m.small_batch_rows < small_gemm.ANY_ROWS:
             return f"{name}: F.linear or weight @ x.T above {getattr(m, 'small_batch_rows', 0)} rows"
         if not small_gemm.supports(m.weight.new_zeros(1, m.in_features), m.weight):
             why = small_gemm.kernel_name(m.weight.dtype) or "no kernel here"
@@ -251,7 +164,7 @@ class PrunedLMHead(torch.nn.Module):
         if not 0 < keep <= vocab:
             raise ValueError(f"draft vocabulary {keep} must be in [1, {vocab}]")
         self.vocab_size = vocab
-        self.kept = torch.nn.Linear(hidden, keep, bias=lm_head.bias is not None)  # a plain Linear: small-batch applies
+        self.kept = torch.nn.Linear(hidden, keep, bias=lm_head.bias is not None)  # use_small_batch_linear may swap it
         self.kept.to(lm_head.weight.device, lm_head.weight.dtype)
         with torch.no_grad():
             self.kept.weight.copy_(lm_head.weight[:keep])
@@ -285,8 +198,6 @@ def prepare_draft(model: torch.nn.Module, draft_vocab: int = 0, quantize: str = 
     (prune_draft_vocab), quantise it (quantize_draft), then give it the lean forward where its architecture
     allows (rsd_runtime.lean: fewer, fused steps a layer; a drafter's law need only be known, not equal to
     anything). Returns the quantisation applied; ValueError for a setting the model cannot take."""
-    from rsd_runtime.lean import use_lean_forward
-
     prune_draft_vocab(model, draft_vocab)
     applied = quantize_draft(model, quantize, dtype)
     use_lean_forward(model)
@@ -311,7 +222,7 @@ def quantize_draft(model: torch.nn.Module, mode: str, dtype: str = "float32") ->
     and sent), never acceptable for a verifier. CPU only; the model must be float32 or `dtype` "auto"
     (a bf16/fp16 model is converted to float32 for int8); an explicit bfloat16/float16 is refused.
     Order with the other drafter options: prune_draft_vocab first, then this (which replaces the float
-    layers, small-batch ones included), then use_small_batch_linear (patches only the nn.Linear layers
+    layers, SmallBatchLinear ones included), then use_small_batch_linear (replaces only the nn.Linear layers
     left: none after int8).
 
     "auto" picks int8 where it is faster on this device, by a quick measurement (int8_speedup: the
@@ -337,69 +248,20 @@ def quantize_draft(model: torch.nn.Module, mode: str, dtype: str = "float32") ->
     if next(model.parameters()).dtype != torch.float32:
         model.float()
     # The support check's probe runs on the float model (and is kept on it): int8 activations make a
-    # tree row differ from the same path run alone (0.44 relative on Qwen2.5-0.5B), which says nothing
+    # tree row differ from the same path run alone by far more than rounding, which says nothing
     # about positions. The runner checks the rest of the support again with its own max_len.
-    from rsd_runtime.attention import PROBE_KEYS, check_model
-
     check_model(model, PROBE_KEYS)
     from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
-    for m in model.modules():  # int8 layers replace the float ones: drop load_model's small-batch patch
-        if hasattr(m, "small_batch_rows"):
-            del m.forward, m.small_batch_rows, m.small_gemm
-
-    linears = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()]
-    linears = [(parent, name, child) for parent, name, child in linears if type(child) is torch.nn.Linear]
-    if all(Int8Linear.takes(child) for _, _, child in linears):
-        for parent, name, child in linears:
-            setattr(parent, name, Int8Linear(child))
+    plain_linear(model)  # int8 layers replace the float ones: load_model's SmallBatchLinear goes first
+    if all(Int8Linear.takes(m) for m in model.modules() if type(m) is torch.nn.Linear):
+        replace_linear(model, (torch.nn.Linear,), Int8Linear)
     else:
         with warnings.catch_warnings():  # torch 2.13 warns that torch.ao.quantization is deprecated
             warnings.simplefilter("ignore")
             quantize_dynamic(model, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True)
     model.rsd_quantize = "int8"
     return "int8"
-
-
-class Int8Linear(torch.nn.Module):
-    """A drafter's linear layer in int8 on rsd_runtime.small_gemm's AVX512-VNNI kernel: weights symmetric per
-    output channel, activations symmetric per row and shifted by 128 into uint8 (vpdpbusd multiplies uint8
-    by int8), the shift taken back exactly in int32:
-
-        y[r, j] = x_scale[r] * w_scale[j] * (sum_k (xq[r, k] + 128) * wq[j, k] - 128 * sum_k wq[j, k]) + bias[j]
-
-    A row's scale is its own, so its output is the same whatever rows share the forward (fbgemm's dynamic
-    quantisation scales a whole call at once), and stays closer to the float layer. One C call a layer
-    (small_gemm.int8_linear: quantise, multiply, scale) streams the int8 weights once for all rows (README has
-    its cost against fbgemm's). Float32 in and out; more than small_gemm.MAX_ROWS rows (a
-    prompt) go through in chunks, each row giving the same values."""
-
-    def __init__(self, linear: torch.nn.Linear):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach().float()  # [N, K]
-        w_scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127  # [N]
-        weight_int8 = torch.round(weight / w_scale[:, None]).clamp(-127, 127).to(torch.int8)  # [N, K]
-        self.register_buffer("weight_int8", weight_int8)
-        self.register_buffer("w_scale", w_scale)
-        self.register_buffer("w_shift", 128 * weight_int8.sum(dim=1, dtype=torch.int32))  # [N]
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float())
-
-    @staticmethod
-    def takes(linear: torch.nn.Linear) -> bool:
-        """Whether the kernel runs here (AVX512-VNNI, a compiler) and takes this layer (K % 64 == 0, CPU)."""
-        return linear.weight.device.type == "cpu" and linear.in_features % 64 == 0 and small_gemm.available(torch.int8)
-
-    def forward(self, x: Tensor) -> Tensor:
-        rows = x.reshape(-1, self.in_features)  # [R, K]
-        rows = rows if rows.dtype == torch.float32 else rows.float()
-        args = (self.weight_int8, self.w_scale, self.w_shift, self.bias)
-        out = _in_calls(lambda c: small_gemm.int8_linear(c, *args), rows)  # [R, N]
-        out = out.view(*x.shape[:-1], self.out_features)
-        return out if out.dtype == x.dtype else out.to(x.dtype)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
 def int8_unsupported(model: torch.nn.Module, dtype: str = "float32") -> str:
@@ -443,8 +305,8 @@ def int8_speedup(model: torch.nn.Module, rows: tuple[int, ...] = (1, 4), reps: i
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             int8_layer = Int8Linear(source) if vnni else DynamicLinear.from_float(source)
-        if hasattr(first[(n_in, n_out)], "small_batch_rows"):  # time it on the model's own path (small_gemm)
-            use_small_batch_linear(float_layer, first[(n_in, n_out)].small_batch_rows)
+        if isinstance(first[(n_in, n_out)], SmallBatchLinear):  # time it on the model's own path (small_gemm)
+            float_layer = SmallBatchLinear(float_layer, first[(n_in, n_out)].small_batch_rows)
         for r in rows:
             x = torch.randn(r, n_in)
             xf = x.to(float_layer.weight.dtype)

@@ -57,16 +57,8 @@ from rsd.methods import Method
 from rsd.random import StepRandom, Stream
 from rsd.sampling import SamplingParams
 from rsd.tree import DraftTree, path_to
-from rsd_runtime.generator import (
-    Drafter,
-    DraftStopped,
-    GenerationResult,
-    GenerationStats,
-    ModelProposal,
-    SpeculativeGenerator,
-    Step,
-    commit_path,
-)
+from rsd_runtime.engines import Drafter, DraftStopped, ModelProposal, commit_path
+from rsd_runtime.generator import GenerationResult, GenerationStats, SpeculativeGenerator, Step
 from rsd_runtime.runner import ModelRunner, RunnerState
 
 Outcome = tuple[tuple[int, ...], int]  # (accepted node indices, root excluded; the appended token)

@@ -29,7 +29,6 @@ import functools
 import logging
 import os
 import subprocess
-from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -38,7 +37,6 @@ from rsd_runtime import small_gemm
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "row_attention.c"  # package data (pyproject.toml)
 _FUNCTIONS = {torch.float32: "row_attention_f32", torch.bfloat16: "row_attention_bf16"}
 
 
@@ -55,7 +53,7 @@ def _library() -> ctypes.CDLL | None:
         log.info("row attention off: small_gemm's float32 kernel does not run here")
         return None
     try:
-        lib = small_gemm.compile_library(_SOURCE.read_text(), ("-mavx2", "-mfma"), "row_attention")
+        lib = small_gemm.compile_library(small_gemm.CSRC / "row_attention.c", ("-mavx2", "-mfma"))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("row attention off: cannot build or load it: %s", getattr(e, "stderr", "") or e)
         return None

@@ -30,6 +30,7 @@ from transformers import PreTrainedModel
 from rsd.tree import node_depths, tree_attention_mask
 from rsd_runtime.attention import AttentionPlan, check_model
 from rsd_runtime.kvcache import SequenceKVCache
+from rsd_runtime.lean import lean_decoder
 
 
 @dataclass(frozen=True)
@@ -58,10 +59,10 @@ class PreparedForward:
 def model_logits(model: PreTrainedModel, rows: Tensor, total: int, **inputs) -> Tensor:
     """model(**inputs) over `total` positions -> float32 logits [R, V] at positions rows [R] (long).
     Only those rows go through the output layer where the model's forward takes logits_to_keep (a
-    prefill's catch-up chain needs no logits: on the 1.5B target the 1,536 x 151,936 output layer is
-    ~15% of a token's multiply-adds, and a [T, V] float32 copy of 600 KB a token); else sliced after."""
+    prefill's catch-up chain needs no logits: the output layer is a large share of a token's multiply-adds in
+    a model with a large vocabulary, and [T, V] float32 logits a large copy); else sliced after."""
     rows = rows.to(model.device)
-    lean = model.__dict__.get("rsd_lean")  # a drafter's lean forward (rsd_runtime.lean)
+    lean = lean_decoder(model)  # a drafter's lean forward (rsd_runtime.lean)
     if lean is not None and isinstance(inputs["attention_mask"], Tensor):
         return lean(inputs["input_ids"], inputs["position_ids"], inputs["attention_mask"], inputs["cache"], rows)
     if len(rows) == total:

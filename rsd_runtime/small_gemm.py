@@ -1,33 +1,36 @@
 """CPU kernels for linear layers over a handful of rows: `y[R, N] = x[R, K] @ w[N, K]^T` with R <= 64.
 
 A draft tree or a tree verification feeds each linear layer 2-16 rows. BLAS (MKL/oneDNN through F.linear)
-is tuned for large matrices: on one core it takes 3-4x the one-row time for 6 rows, while the product is
-still bound by reading the weight once (1.5B fp32: ~6 GB per forward). These kernels stream each weight
-once for all rows: they walk the weight a few output rows at a time (a block held in L1) and multiply
-that block with every group of up to 6 input rows (groups of near-equal size), while they prefetch the
-weight rows ahead, spread over all the groups: the next weights stream in from memory while this block's
-rows are multiplied.
+is tuned for large matrices: a few rows cost several times one row's time, while the product is still
+bound by reading the weight once. These kernels stream each weight once for all rows: they walk the weight
+a few output rows at a time (a block held in L1) and multiply that block with every group of up to 6 input
+rows (groups of near-equal size), while they prefetch the weight rows ahead, spread over all the groups:
+the next weights stream in from memory while this block's rows are multiplied.
 
     y = small_gemm(x, weight)         # x [R, K], weight [N, K], both float32 or both bfloat16
     kernel_name(torch.bfloat16)       # which kernel a dtype runs on here: "amx-bf16", "avx512-bf16", ...
 
-- float32 (AVX2 + FMA): pairs of weight rows, 12 accumulators (13 rows of the 1.5B target's
-  up-projection on one Zen 3 core: 12.5 -> 8.5 ms; a whole 13-token forward 1,517 -> 1,289 ms).
+- float32 (AVX2 + FMA, csrc/small_gemm_f32.c): pairs of weight rows, 12 accumulators.
 - bfloat16 (AVX512-BF16, `vdpbf16ps`: 32 products a lane-wide instruction, summed in float32 and rounded
-  to bfloat16 to nearest even, as torch does): four weight rows at a time, 24 accumulators. oneDNN's
-  bf16 F.linear reads weights at ~8 GB/s on one Zen 4 core, where a plain stream reads 27 GB/s; this
-  kernel reads at ~20 GB/s for 1-6 rows (the 1.5B up-projection: 1 row 3.7 -> 1.4 ms, 13 rows 4.4 -> 2.5).
-- bfloat16 on AMX (preferred where the CPU has it): the tile unit multiplies 16 weight rows by up to 16
-  input rows in one instruction, so every row count streams the weight at the memory's pace (a whole 1.5B
-  forward on two Xeon cores: 1 token 330 -> 172 ms against oneDNN, 16 tokens 347 -> 222 ms).
+  to bfloat16 to nearest even, as torch does; csrc/small_gemm_avx512_bf16.c): four weight rows at a time,
+  24 accumulators. oneDNN's bf16 F.linear reads the weights well below the memory's pace; this kernel
+  streams them close to it.
+- bfloat16 on AMX (preferred where the CPU has it; csrc/small_gemm_amx_bf16.c): the tile unit multiplies 16
+  weight rows by up to 16 input rows in one instruction, so every row count streams the weight at the
+  memory's pace.
+- int8 (AVX512-VNNI, csrc/small_gemm_int8.c): uint8 rows times int8 weights in exact int32 sums, and
+  int8_linear, a whole rsd_runtime.linear.Int8Linear layer in one call.
+The AVX-512 ones share one tiling (csrc/small_gemm_tiles.h) and every entry point splits the columns the same
+way (csrc/small_gemm_threads.h).
 
 Exactness: a row's result is the same whatever rows share its call (each row has its own accumulators or
-tile lanes, summed over K in the same order), so a tree's node gets bit-for-bit the value it would get alone; against
-F.linear it differs by float rounding only (tests/test_small_gemm.py).
+tile lanes, summed over K in the same order), so a tree's node gets bit-for-bit the value it would get
+alone; against F.linear it differs by float rounding only (tests/test_small_gemm.py).
 
-Each kernel is C compiled at first use with the system compiler ($CC, else `cc`) into kernel_dir()
-($RSD_KERNEL_DIR, else ~/.cache/rsd/kernels) and called through ctypes (which releases the GIL); threads of
-torch's own OpenMP team split the output columns. `available(dtype)` says whether one can run here: an
+Each kernel is a C file of csrc/ (package data) compiled at first use with the system compiler ($CC, else
+`cc`) into kernel_dir() ($RSD_KERNEL_DIR, else ~/.cache/rsd/kernels), keyed by its source text (headers
+included) and flags, and called through ctypes (which releases the GIL); threads of torch's own OpenMP team
+split the output columns. `available(dtype)` says whether one can run here: an
 x86-64 CPU with its instructions, and a compiler that knows them and a writable kernel dir (or the kernel
 built there before: a read-only dir of built kernels serves). Where it cannot (no compiler, a read-only
 cache, another CPU), callers keep their torch path (F.linear; fbgemm for int8): speed only, the law is
@@ -52,9 +55,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from rsd_runtime import kernel_sources as sources
-
 log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"  # the kernels' C sources, package data (pyproject.toml)
 
 MAX_ROWS = 64  # above this, BLAS is the faster path
 
@@ -62,7 +65,7 @@ MAX_ROWS = 64  # above this, BLAS is the faster path
 @dataclasses.dataclass(frozen=True)
 class _Kernel:
     name: str
-    source: str
+    source: str  # its file in CSRC
     cflags: tuple[str, ...]  # what the compiler needs to emit its instructions
     cpu_flags: tuple[str, ...]  # what /proc/cpuinfo must list
     k_multiple: int  # K must be a multiple of this (one vector of the dtype)
@@ -73,7 +76,7 @@ class _Kernel:
 _AVX512 = ("-mavx512f", "-mavx512bw")
 _AVX512_BF16 = _Kernel(
     "avx512-bf16",
-    sources.SOURCE_BF16 + sources.THREADS,
+    "small_gemm_avx512_bf16.c",
     (*_AVX512, "-mavx512bf16"),
     ("avx512f", "avx512bw", "avx512_bf16"),
     32,
@@ -84,7 +87,7 @@ _AVX512_BF16 = _Kernel(
 _AMX_BF16 = dataclasses.replace(
     _AVX512_BF16,
     name="amx-bf16",
-    source=sources.SOURCE_BF16 + sources.SOURCE_AMX,
+    source="small_gemm_amx_bf16.c",
     cflags=(*_AVX512_BF16.cflags, "-mamx-tile", "-mamx-bf16"),
     cpu_flags=(*_AVX512_BF16.cpu_flags, "amx_tile", "amx_bf16"),
 )
@@ -93,7 +96,7 @@ _KERNELS: dict[torch.dtype, tuple[_Kernel, ...]] = {
     torch.float32: (
         _Kernel(
             "avx2",
-            sources.SOURCE_F32 + sources.THREADS,
+            "small_gemm_f32.c",
             ("-mavx2", "-mfma"),
             ("avx2", "fma"),
             8,
@@ -105,7 +108,7 @@ _KERNELS: dict[torch.dtype, tuple[_Kernel, ...]] = {
     torch.int8: (
         _Kernel(
             "avx512-vnni",
-            sources.SOURCE_INT8 + sources.THREADS,
+            "small_gemm_int8.c",
             (*_AVX512, "-mavx512vnni"),
             ("avx512f", "avx512bw", "avx512_vnni"),
             64,
@@ -131,26 +134,28 @@ def _cpu_flags() -> frozenset[str]:
         return frozenset({"avx2", "fma"} if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else ())
 
 
-def compile_library(source: str, cflags: tuple[str, ...], stem: str = "small_gemm") -> ctypes.CDLL:
-    """C `source` built with `cflags` (and OpenMP) into kernel_dir() once, keyed by both, and loaded; OSError,
-    RuntimeError or subprocess.SubprocessError where it cannot be (also used by rsd_runtime.row_attention)."""
-    digest = hashlib.sha256((source + " ".join(cflags)).encode()).hexdigest()[:16]
-    so = kernel_dir() / f"{stem}-{digest}.so"
+def compile_library(source: Path, cflags: tuple[str, ...]) -> ctypes.CDLL:
+    """The C file `source` built with `cflags` (and OpenMP) into kernel_dir() once and loaded; OSError,
+    RuntimeError or subprocess.SubprocessError where it cannot be (also used by rsd_runtime.row_attention).
+    The build is keyed by the text of the file and of every header beside it (what its quoted #includes can
+    read) and by the flags: a changed source builds anew."""
+    texts = [source.read_text(), *(h.read_text() for h in sorted(source.parent.glob("*.h"))), " ".join(cflags)]
+    digest = hashlib.sha256("\0".join(texts).encode()).hexdigest()[:16]
+    so = kernel_dir() / f"{source.stem}-{digest}.so"
     cache = so.parent
     if not so.exists():
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            src, out = Path(tmp) / f"{stem}.c", Path(tmp) / so.name
-            src.write_text(source)
+            out = Path(tmp) / so.name
             cc = os.environ.get("CC", "cc")
-            cmd = [cc, "-O3", *cflags, "-fopenmp", "-shared", "-fPIC", str(src), "-o", str(out)]
+            cmd = [cc, "-O3", *cflags, "-fopenmp", "-shared", "-fPIC", str(source), "-o", str(out)]
             subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
             os.replace(out, so)  # atomic: another process may be building the same file
     return ctypes.CDLL(str(so))
 
 
 def _build(kernel: _Kernel) -> ctypes.CDLL:
-    lib = compile_library(kernel.source, kernel.cflags)
+    lib = compile_library(CSRC / kernel.source, kernel.cflags)
     lib.small_gemm_threads.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
     lib.small_gemm_threads.restype = ctypes.c_int
     if hasattr(lib, "amx_init") and lib.amx_init() != 0:
@@ -234,10 +239,9 @@ def preferred_rows(dtype: torch.dtype) -> int:
     """Up to how many rows models of this dtype should compute their linear layers here by default
     (load_model): 0 where no kernel runs; wherever one does, any number (ANY_ROWS), in calls of MAX_ROWS, so a
     row's bits never depend on how many rows share its forward (F.linear's do: MKL's float32 rows change with
-    the row count). Up to 64 rows each kernel beat F.linear where measured (bf16 oneDNN reads the weights at
-    about half the memory's pace on Zen 4 and on AMX Xeons alike); above, AMX still does (1.5B up-projection
-    on two Xeon cores: 152 rows 21 -> 14 ms, 600 rows 52 -> 45), the AVX2 and AVX512-BF16 ones pay for the
-    invariance on a prompt (two Zen 4 cores, 600 rows: float32 1.8x, bfloat16 2.6x F.linear's time)."""
+    the row count). Up to MAX_ROWS rows each kernel beat F.linear where measured; above, AMX still does, while
+    the AVX2 and AVX512-BF16 ones pay for the invariance on a prompt (a long prompt's linear layers take
+    longer than F.linear's)."""
     return ANY_ROWS if available(dtype) else 0
 
 
@@ -274,7 +278,7 @@ def small_gemm(x: Tensor, weight: Tensor, threads: int | None = None) -> Tensor:
 
 
 def int8_linear(x: Tensor, weight: Tensor, w_scale: Tensor, w_shift: Tensor, bias: Tensor | None) -> Tensor:
-    """A whole int8 linear layer (models.Int8Linear's forward) in one call: x [R, K] float32 rows, each
+    """A whole int8 linear layer (rsd_runtime.linear.Int8Linear's forward) in one call: x [R, K] float32 rows, each
     quantised by its own scale, times weight [N, K] int8 (scales w_scale [N] float32, w_shift [N] int32 =
     128 * the row sums) plus bias [N] float32 or None -> [R, N] float32. Needs available(torch.int8),
     K % 64 == 0 and R <= MAX_ROWS."""

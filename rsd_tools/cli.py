@@ -154,7 +154,8 @@ def generate(args) -> int:
     from rsd.sampling import SamplingParams
     from rsd_runtime.attention import UnsupportedModelError
     from rsd_runtime.generator import SpeculativeGenerator
-    from rsd_runtime.models import load_model, prepare_draft, use_small_batch_linear
+    from rsd_runtime.linear import use_small_batch_linear
+    from rsd_runtime.models import load_model, prepare_draft
     from rsd_runtime.predraft import PipelinedGenerator
     from rsd_runtime.runner import ModelRunner
     from rsd_runtime.tokenizer import load_tokenizer

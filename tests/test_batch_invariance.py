@@ -14,8 +14,9 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 from rsd_runtime import row_attention, small_gemm
 from rsd_runtime.attention import GROUPED_SDPA, ROW_SDPA, check_model
-from rsd_runtime.lean import use_lean_forward
-from rsd_runtime.models import batch_variance, load_model, set_linear_kernel
+from rsd_runtime.lean import lean_decoder, use_lean_forward
+from rsd_runtime.linear import set_linear_kernel
+from rsd_runtime.models import batch_variance, load_model
 from rsd_runtime.packed import forward_packed
 from rsd_runtime.runner import ModelRunner
 
@@ -114,7 +115,7 @@ def test_the_lean_draft_forward_too(model):
     assert use_lean_forward(model) == "" and batch_variance(model) == ""
     test_a_tree_row_is_the_one_token_step_bit_for_bit(model)
     test_a_session_gets_its_lone_bits_packed_with_others(model, 7)
-    assert model.__dict__["rsd_lean"].calls > 0
+    assert lean_decoder(model).calls > 0
 
 
 def test_batch_variance_follows_the_machine_and_the_settings(model_dir):

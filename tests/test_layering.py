@@ -7,6 +7,7 @@
                 └─ gateway | drafter_service | verifier_service   (none imports another)
                      └─ deploy | rsd_tools | rsd_api              (none imports another)
                           └─ rsd_bench                            (benchmarks with commands of their own)
+                               └─ rsd_cli                         (the `rsd` command: the tools' and the benchmarks')
 
 Read from the source (ast), so a lazy import inside a function counts as an arrow too. `if TYPE_CHECKING:`
 imports are annotations, not arrows, and are skipped.
@@ -36,6 +37,7 @@ LEVELS = {
     "rsd_tools": 4,
     "rsd_api": 4,
     "rsd_bench": 5,
+    "rsd_cli": 6,
 }
 # Third-party packages a layer must not import (at module level for the service kit: core pinning sets
 # torch's thread count lazily, after the affinity is applied).
@@ -128,17 +130,23 @@ def test_private_names_stay_in_their_module(module):
         assert not private, f"{MODULES[module].relative_to(ROOT)}:{line} imports {private} from {imported}"
 
 
-def test_no_import_cycles():
-    """Module-level imports between our modules form no cycle (a cycle makes import order matter)."""
+def _import_graph(trees: dict[str, ast.AST]) -> dict[str, set[str]]:
+    """module -> the modules of `trees` it imports, at module level or inside a function."""
     graph: dict[str, set[str]] = {}
-    for module in MODULES:
+    for module, tree in trees.items():
         deps = set()
-        for imported, names, _ in _imports(_parsed(module), module, top_only=True):
+        for imported, names, _ in _imports(tree, module):
             for candidate in [imported, *(f"{imported}.{n}" for n in names)]:
-                if candidate in MODULES and candidate != module:
+                if candidate in trees and candidate != module:
                     deps.add(candidate)
         graph[module] = deps
-    # A package's __init__ importing its own submodules is how re-exports work, not a cycle.
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles a depth-first walk of `graph` meets. A package's __init__ importing its own
+    submodules is how re-exports work, not a cycle."""
+    found: list[list[str]] = []
     state: dict[str, int] = {}
 
     def visit(node: str, path: list[str]) -> None:
@@ -147,7 +155,7 @@ def test_no_import_cycles():
             if state.get(dep) == 1:
                 cycle = [*path[path.index(dep) :], dep] if dep in path else [node, dep]
                 if not all(m == cycle[0] or m.startswith(cycle[0] + ".") for m in cycle):
-                    raise AssertionError(f"import cycle: {' -> '.join(cycle)}")
+                    found.append(cycle)
             elif dep not in state:
                 visit(dep, [*path, dep])
         state[node] = 2
@@ -155,13 +163,35 @@ def test_no_import_cycles():
     for module in sorted(graph):
         if module not in state:
             visit(module, [module])
+    return found
 
 
-def test_no_module_is_too_long_and_no_package_too_big():
-    """No non-test module over ~450 lines; no package over a third of the code."""
+def test_no_import_cycles():
+    """Imports between our modules, inside functions too, form no cycle (a lazy import that closes a
+    cycle only hides it: the two modules are one concern, or an arrow points the wrong way)."""
+    cycles = _cycles(_import_graph(TREES))
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+# A made-up package whose only cycle is closed by an import inside a function (parsed at collection, as TREES).
+FUNCTION_LEVEL_CYCLE = {
+    "pkg": ast.parse("from pkg import a, b, c\n"),  # pkg <-> pkg.c: a package's re-exports, no cycle
+    "pkg.a": ast.parse("import torch\n\ndef f():\n    from pkg.b import g\n    return g\n"),
+    "pkg.b": ast.parse("from pkg.a import f\n\ndef g():\n    return f\n"),
+    "pkg.c": ast.parse("import pkg\n"),
+}
+
+
+def test_the_cycle_finder_sees_a_cycle_closed_inside_a_function():
+    trees = dict(FUNCTION_LEVEL_CYCLE)
+    assert _cycles(_import_graph(trees)) == [["pkg.a", "pkg.b", "pkg.a"]]
+    del trees["pkg.b"]
+    assert _cycles(_import_graph(trees)) == []
+
+
+def test_no_package_is_too_big():
+    """No package over a third of the code (a package that big is two)."""
     lines = {m: len(p.read_text().splitlines()) for m, p in MODULES.items()}
-    long = {m: n for m, n in lines.items() if n > 460}
-    assert not long, f"modules over 460 lines: {long}"
     total = sum(lines.values())
     by_package: dict[str, int] = {}
     for m, n in lines.items():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rsd_runtime import small_gemm
-from rsd_runtime.lean import LEAN_MODEL_TYPES, use_lean_forward
+from rsd_runtime.lean import LEAN_MODEL_TYPES, lean_decoder, use_lean_forward
 from rsd_runtime.models import load_model, prepare_draft, quantize_draft
 from rsd_runtime.packed import forward_packed
 from rsd_runtime.runner import ModelRunner
@@ -43,7 +43,7 @@ def prefilled(model, prompt: list[int]) -> ModelRunner:
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
 def test_lean_matches_own_forward(root, family, quantize):
     own, lean = pair_of_drafters(build_tiny_pair(root, family)[0], quantize)
-    calls = lean.__dict__["rsd_lean"].calls
+    calls = lean_decoder(lean).calls
     gen = torch.Generator().manual_seed(5)
     vocab = own.config.vocab_size
     prompt = torch.randint(4, vocab, (9,), generator=gen).tolist()
@@ -57,7 +57,7 @@ def test_lean_matches_own_forward(root, family, quantize):
         r.commit(keep)
     a, b = (r.forward(torch.tensor([7]), torch.tensor([-1])) for r in runners)  # after a commit moved the cache
     torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
-    assert lean.__dict__["rsd_lean"].calls == calls + 4  # prefill, two levels, one token: all lean
+    assert lean_decoder(lean).calls == calls + 4  # prefill, two levels, one token: all lean
 
 
 def test_lean_weights_are_shared_not_copied(root):
@@ -65,11 +65,24 @@ def test_lean_weights_are_shared_not_copied(root):
     before = sum(p.numel() for p in model.parameters())
     assert use_lean_forward(model) == ""
     attn = model.model.layers[0].self_attn
-    fused = model.__dict__["rsd_lean"].layers[0][1].fused
+    fused = lean_decoder(model).layers[0][1].fused
     assert attn.q_proj.weight.data_ptr() == fused.weight.data_ptr()
     assert attn.k_proj.weight.untyped_storage().data_ptr() == fused.weight.untyped_storage().data_ptr()
     assert sum(p.numel() for p in model.parameters()) == before
-    assert "rsd_lean" not in dict(model.named_modules())  # not a submodule: modules() is the model's own
+    assert not any(type(m).__module__ == "rsd_runtime.lean" for m in model.modules())  # modules() is the model's own
+
+
+def test_lean_runs_the_layers_swapped_in_after_it(root):
+    """The lean forward reads the model's modules at each call: a layer replaced after it was made runs."""
+    from rsd_runtime.linear import plain_linear
+
+    own, lean = pair_of_drafters(build_tiny_pair(root, "qwen2")[0], "none")
+    assert plain_linear(lean) > 0  # every SmallBatchLinear back to an nn.Linear
+    ran = []
+    lean.model.layers[0].self_attn.o_proj.register_forward_hook(lambda *_: ran.append(1))
+    a, b = (prefilled(m, [5, 6, 7, 8]).forward(torch.tensor([3, 4]), torch.tensor([-1, 0])) for m in (own, lean))
+    torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+    assert len(ran) == 2  # the prefill and the tree, through the new o_proj
 
 
 def test_lean_packed_forward_matches_alone(root):
@@ -86,20 +99,20 @@ def test_lean_packed_forward_matches_alone(root):
 
 def test_prepare_draft_gives_a_drafter_the_lean_forward(root):
     model = load_model(build_tiny_pair(root, "llama")[0])
-    assert prepare_draft(model) == "none" and "rsd_lean" in model.__dict__
+    assert prepare_draft(model) == "none" and lean_decoder(model) is not None
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gpt2", "qwen3"])
 def test_lean_refuses_other_architectures(root, name):
     model = load_model(save_pair(BY_NAME[name], root)[0])
     assert model.config.model_type not in LEAN_MODEL_TYPES
-    assert "is not one of" in use_lean_forward(model) and "rsd_lean" not in model.__dict__
+    assert "is not one of" in use_lean_forward(model) and lean_decoder(model) is None
 
 
 def test_lean_can_be_switched_off(root, monkeypatch):
     monkeypatch.setenv("RSD_LEAN_FORWARD", "0")
     model = load_model(build_tiny_pair(root, "qwen2")[0])
-    assert use_lean_forward(model) == "RSD_LEAN_FORWARD=0" and "rsd_lean" not in model.__dict__
+    assert use_lean_forward(model) == "RSD_LEAN_FORWARD=0" and lean_decoder(model) is None
 
 
 def test_lean_windowed_mistral_matches_own_forward(root):

@@ -19,7 +19,7 @@ from rsd.methods import Method
 from rsd.random import StepRandom, Stream
 from rsd.sampling import SamplingParams
 from rsd_runtime.attention import check_model
-from rsd_runtime.generator import Drafter
+from rsd_runtime.engines import Drafter
 from rsd_runtime.packed import PackedForwards, forward_packed
 from rsd_runtime.runner import ModelRunner
 from tests.architectures import ARCHS, build

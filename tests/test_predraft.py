@@ -21,7 +21,8 @@ from rsd.acceptance import Verdict
 from rsd.methods import Method
 from rsd.random import Draw, StepRandom, Stream
 from rsd.sampling import SamplingParams
-from rsd_runtime.generator import Drafter, SpeculativeGenerator
+from rsd_runtime.engines import Drafter
+from rsd_runtime.generator import SpeculativeGenerator
 from rsd_runtime.models import load_model
 from rsd_runtime.predraft import PipelinedGenerator, PreDrafter, PreDraftMismatchError, outcome_of
 from rsd_runtime.runner import ModelRunner

@@ -21,14 +21,8 @@ from rsd.methods import Method
 from rsd.sampling import SamplingParams
 from rsd_runtime import small_gemm
 from rsd_runtime.generator import SpeculativeGenerator
-from rsd_runtime.models import (
-    Int8Linear,
-    int8_speedup,
-    load_model,
-    prune_draft_vocab,
-    quantize_draft,
-    use_small_batch_linear,
-)
+from rsd_runtime.linear import Int8Linear, use_small_batch_linear
+from rsd_runtime.models import int8_speedup, load_model, prune_draft_vocab, quantize_draft
 from rsd_runtime.runner import ModelRunner
 from rsd_tools.tiny import build_tiny_pair, build_tiny_vocab_pair
 from rsd_wire import GRPC_OPTIONS, drafter_pb2_grpc
@@ -64,9 +58,9 @@ def int8_pair(tiny_dirs):
 def test_int8_replaces_every_linear_and_changes_the_draft_law(tiny_dirs, int8_pair):
     draft, _ = int8_pair
     plain = load_model(tiny_dirs[0])
-    linears = sum(type(m) is torch.nn.Linear for m in plain.modules())
+    linears = sum(isinstance(m, torch.nn.Linear) for m in plain.modules())
     assert sum(type(m) is INT8_LAYER for m in draft.modules()) == num_int8_layers(draft) == linears
-    assert not any(type(m) is torch.nn.Linear for m in draft.modules())
+    assert not any(isinstance(m, torch.nn.Linear) for m in draft.modules())
     ids = torch.tensor([PROMPTS[2]])
     with torch.inference_mode():
         diff = (draft(ids).logits - plain(ids).logits).abs().max()

@@ -306,12 +306,14 @@ def test_small_batch_linear_path_per_dtype(dtype):
     weight @ x.T (rows > 4 padded to a multiple of 8) and bf16 keeps F.linear (oneDNN) up to 8 rows and only
     then transposes; beyond max_rows, F.linear."""
     from rsd_runtime import small_gemm
-    from rsd_runtime.models import set_small_batch_rows, use_small_batch_linear
+    from rsd_runtime.linear import SmallBatchLinear, set_small_batch_rows, use_small_batch_linear
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 48)).to(dtype)
-    layer = model[0]
+    weight = model[0].weight
     assert use_small_batch_linear(model, max_rows=16) == 1
+    layer = model[0]  # the nn.Linear replaced by a SmallBatchLinear over the same Parameters
+    assert type(layer) is SmallBatchLinear and layer.weight is weight
     for rows in (1, 3, 8, 13, 16, 40):
         x = torch.randn(2, rows, 32, dtype=dtype)[:1]  # [1, R, in]: a batch of one, as the runner uses
         plain = torch.nn.functional.linear(x, layer.weight, layer.bias)
@@ -329,11 +331,27 @@ def test_small_batch_linear_path_per_dtype(dtype):
     assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
 
 
+def test_small_batch_linear_replaces_children_and_keeps_shared_and_tied_weights():
+    """use_small_batch_linear swaps modules, it patches none: a layer held twice stays one layer, a head tied to
+    the embeddings stays tied (the same Parameter), and plain_linear swaps nn.Linear back the same way."""
+    from rsd_runtime.linear import SmallBatchLinear, plain_linear, use_small_batch_linear
+
+    emb, shared, head = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 16, bias=False)
+    head.weight = emb.weight
+    model = torch.nn.ModuleDict({"emb": emb, "a": shared, "b": shared, "head": head})
+    assert use_small_batch_linear(model, 16) == 2
+    assert type(model["a"]) is SmallBatchLinear and model["a"] is model["b"] and model["a"].weight is shared.weight
+    assert model["head"].weight is emb.weight and model["head"].small_batch_rows == 16
+    assert use_small_batch_linear(model, 0, "torch") == 2 and not model["a"].small_gemm  # set again, not wrapped
+    assert plain_linear(model) == 2
+    assert type(model["head"]) is torch.nn.Linear and model["head"].weight is emb.weight and model["a"] is model["b"]
+
+
 def test_set_linear_kernel_switches_one_loaded_model(pairs):
     """forward_cost's switch: each kernel gives a tiny target's logits within float rounding of a model that
     was never patched (f_linear: exactly), back and forth on one model; a bad name or an unpatched model
     is refused."""
-    from rsd_runtime.models import set_linear_kernel
+    from rsd_runtime.linear import set_linear_kernel
 
     plain = load_model(pairs["qwen2"][1], small_batch_rows=0)  # nn.Linear's own forward everywhere
     model = load_model(pairs["qwen2"][1], small_batch_rows=64)
@@ -368,7 +386,7 @@ def test_catch_up_computes_logits_for_the_tree_only(model, monkeypatch, takes_lo
     gets no logits: the output layer runs on the tree's rows alone, and they equal the full forward's. A
     model whose forward has no logits_to_keep gets the same rows by slicing after."""
     import rsd_runtime.runner as runner_mod
-    from rsd_runtime.generator import forward_with_catch_up
+    from rsd_runtime.engines import forward_with_catch_up
 
     if not takes_logits_to_keep:
         monkeypatch.setattr(runner_mod, "_takes_logits_to_keep", lambda cls: False)

@@ -126,7 +126,8 @@ def test_a_model_uses_the_kernel_and_keeps_its_logits(dtype, tmp_path, monkeypat
         pytest.skip(f"load_model keeps F.linear for {dtype} on this CPU")
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from rsd_runtime.models import load_model, set_linear_kernel
+    from rsd_runtime.linear import set_linear_kernel
+    from rsd_runtime.models import load_model
 
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -270,7 +271,7 @@ def test_fallback_not_needed_where_a_read_only_cache_holds_the_kernels(tiny_pair
 
     kernel_dir = tmp_path / "kernels"
     kernel_dir.mkdir()
-    for so in sg.kernel_dir().glob("small_gemm-*.so"):
+    for so in sg.kernel_dir().glob("small_gemm_*.so"):
         shutil.copy(so, kernel_dir)
     kernel_dir.chmod(0o555)
     result, err = _loads_and_generates(tiny_pair, kernel_dir, CC=str(tmp_path / "no-such-cc"))

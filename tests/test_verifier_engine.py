@@ -1,4 +1,4 @@
-"""The batched verifier engine against the single-session path (rsd_runtime.generator.Verifier).
+"""The batched verifier engine against the single-session path (rsd_runtime.engines.Verifier).
 
 Reference for every check: each session run alone through ModelRunner + Verifier (or the whole
 SpeculativeGenerator). The packed forward must give the same logits (1e-4) and the same verdicts.
@@ -12,12 +12,8 @@ from rsd.methods import Method
 from rsd.random import StepRandom, Stream
 from rsd.sampling import SamplingParams
 from rsd.tree import DraftTree
-from rsd_runtime.generator import (
-    Drafter,
-    SpeculativeGenerator,
-    Verifier,
-    forward_with_catch_up,
-)
+from rsd_runtime.engines import Drafter, Verifier, forward_with_catch_up
+from rsd_runtime.generator import SpeculativeGenerator
 from rsd_runtime.models import load_model
 from rsd_runtime.runner import ModelRunner
 from rsd_tools.tiny import build_tiny_pair

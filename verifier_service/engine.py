@@ -1,5 +1,5 @@
 """VerifierPool, the verifier service's engine: many sessions' draft trees scored by ONE target forward.
-(rsd_runtime.generator.Verifier is the single-session counterpart; names: rsd_runtime.generator's docstring.)
+(rsd_runtime.engines.Verifier is the single-session counterpart; names: rsd_runtime.engines' docstring.)
 
 Each session owns a slot of a preallocated KV pool (rsd_runtime.kvcache.SlotKVCache: per layer, keys/values
 [num_slots, H_kv, max_len, D]).

@@ -31,12 +31,8 @@ from rsd_bench.methods.timing import (
 )
 from rsd_bench.stats import step_tokens
 from rsd_runtime.generator import SpeculativeGenerator
-from rsd_runtime.models import (
-    load_model,
-    prepare_draft,
-    set_small_batch_rows,
-    use_small_batch_linear,
-)
+from rsd_runtime.linear import set_small_batch_rows, use_small_batch_linear
+from rsd_runtime.models import load_model, prepare_draft
 from rsd_runtime.runner import ModelRunner
 from rsd_runtime.tokenizer import load_tokenizer
 

@@ -81,7 +81,7 @@ def instrument_steps(gen) -> list[tuple[float, int]]:
     first step of a generation also prefills both models: steady-state rates start after it).
 
     The one place the benchmark reaches into the generator: it wraps the two methods of gen.verifier
-    (a rsd_runtime.generator.Verifier) that run a target step. SpeculativeGenerator's public hook
+    (a rsd_runtime.engines.Verifier) that run a target step. SpeculativeGenerator's public hook
     after_verdict sees only speculative steps; the autoregressive path (Verifier.step_autoregressive)
     has none, so one wrapper of both keeps every method timed the same way."""
     marks: list[tuple[float, int]] = []

@@ -1,0 +1,188 @@
+"""The engines of ONE session: a Drafter that drafts trees on the draft model and a Verifier that runs the
+target once over a tree and applies the method's acceptance rule.
+
+Engine names (one vocabulary, rsd_runtime and the services):
+    Drafter        the draft model of ONE session (here); drafts trees, follows verdicts
+    Verifier       the target model of ONE session (here); one forward per tree, then the rule
+    DrafterPool    drafter_service.engine: the draft model of MANY sessions, a runner per session kept
+                   between turns (LRU); each run drives a Drafter on its session's runner
+    VerifierPool   verifier_service.engine: the target model of MANY sessions, a KV slot per session;
+                   verifies their trees in one packed forward (it cannot reuse Verifier: one forward
+                   serves every session)
+    ReplicaPool    deploy.ray_pool: verifier service replicas on Ray (processes, not an engine)
+rsd_runtime.generator drives a Drafter and a Verifier in one process; the services put them in two.
+
+Committed tokens are the session's truth. Each runner caches all but the last committed token (the
+last one is the next tree's root); a runner that is behind (the drafter never ran an accepted leaf)
+runs the missing tokens as a chain in front of the next tree, in the same forward (forward_with_catch_up).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from rsd.acceptance import Rule, Verdict, verify
+from rsd.methods import Method
+from rsd.random import Draw, StepRandom
+from rsd.sampling import SamplingParams, logits_to_probs, proposal_probs, sample
+from rsd.tree import DraftTree, path_to
+from rsd_runtime.runner import Forward, ModelRunner
+
+
+def forward_with_catch_up(
+    runner: ModelRunner,
+    committed: list[int],
+    token_ids: Tensor,
+    parent_idx: Tensor,
+    forward: Forward = ModelRunner.forward,
+) -> Tensor:
+    """Run the committed tokens the runner has not cached yet (all but the last committed token) as a
+    chain, then a tree whose node 0 is the last committed token. Returns the tree's logits [N, V].
+    parent_idx [N] is the tree's (root -1); returns logits for the tree nodes only."""
+    behind = committed[runner.cache_len : len(committed) - 1]
+    if runner.num_tentative or runner.cache_len > len(committed) - 1:
+        raise RuntimeError("runner out of sync with the committed tokens")  # a bug, not bad input
+    m = len(behind)
+    ids = torch.tensor(behind + token_ids.tolist(), dtype=torch.long)
+    chain = list(range(-1, m - 1))
+    parents = torch.tensor(chain + [p + m if p >= 0 else m - 1 for p in parent_idx.tolist()], dtype=torch.long)
+    return forward(runner, ids, parents, logits_rows=len(token_ids))  # the chain needs no logits
+
+
+def commit_path(
+    runner: ModelRunner, committed: list[int], tentative_of: dict[int, int], accepted_idx: list[int]
+) -> None:
+    """Keep the catch-up chain, the root and the accepted nodes the runner has run."""
+    m = len(committed) - 1 - runner.cache_len  # catch-up chain length; the root follows it
+    keep = list(range(m + 1)) + [tentative_of[n] for n in accepted_idx if n in tentative_of]
+    runner.commit(keep)
+
+
+class DraftStopped(Exception):
+    """A draft was stopped between two forwards (ModelProposal's `stop` said so)."""
+
+
+class ModelProposal:
+    """rsd.drafting.Proposal backed by the draft model: each call runs the requested frontier nodes
+    (new ones) through the draft runner, tree-masked, in one forward."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        committed: list[int],
+        params: SamplingParams,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        stop: Callable[[], bool] | None = None,
+        forward: Forward = ModelRunner.forward,
+    ):
+        self.runner, self.committed, self.stop, self.forward = runner, committed, stop, forward
+        # Greedy drafting ranks children by the plain softmax; its laws are never used for acceptance.
+        self.params = SamplingParams(temperature=1.0) if params.greedy else params
+        self.top_k, self.top_p = top_k, top_p  # drafter-side truncation of the proposal
+        self.tentative_of: dict[int, int] = {}  # tree node -> tentative index in the runner
+        self.num_forwards = 0
+
+    def __call__(self, token_ids: Tensor, parent_idx: Tensor, node_idx: Tensor) -> Tensor:
+        nodes = node_idx.tolist()
+        if self.stop is not None and self.stop():
+            raise DraftStopped
+        if not self.tentative_of:  # first level: the root (plus any catch-up chain)
+            assert nodes == [0], "the first proposal is asked at the root"
+            m = len(self.committed) - 1 - self.runner.cache_len
+            logits = forward_with_catch_up(self.runner, self.committed, token_ids[:1], parent_idx[:1], self.forward)
+            self.tentative_of[0] = m
+        else:
+            parents = torch.tensor([self.tentative_of[int(parent_idx[n])] for n in nodes])
+            base = self.runner.num_tentative
+            logits = self.forward(self.runner, token_ids[node_idx], parents)  # [F, V]
+            self.tentative_of.update({n: base + i for i, n in enumerate(nodes)})
+        self.num_forwards += 1
+        return _same_prefix_same_law(self.law(logits), token_ids, parent_idx, nodes)
+
+    def law(self, logits: Tensor) -> Tensor:
+        """The proposal law of draft logits [F, V] -> [F, V]: the sampling transform, then truncation."""
+        return proposal_probs(logits, self.params, self.top_k, self.top_p)
+
+
+def _same_prefix_same_law(probs: Tensor, token_ids: Tensor, parent_idx: Tensor, nodes: list[int]) -> Tensor:
+    """Nodes with equal paths (duplicate i.i.d. drafts) get bit-identical laws: K-SEQ treats them as
+    one law, and float noise between two tree slots must not make them differ."""
+    first: dict[tuple[int, ...], int] = {}
+    for row, n in enumerate(nodes):
+        key = tuple(token_ids[path_to(parent_idx, n)].tolist())
+        if key in first:
+            probs[row] = probs[first[key]]
+        else:
+            first[key] = row
+    return probs
+
+
+class Drafter:
+    """The draft model of one session: drafts trees and follows the verdicts."""
+
+    def __init__(self, runner: ModelRunner, top_k: int = 0, top_p: float = 1.0, forward: Forward = ModelRunner.forward):
+        # forward: how the runner's forwards run (rsd_runtime.packed.PackedForwards.forward packs them
+        # with other sessions' in the drafter service)
+        self.runner, self.top_k, self.top_p, self.forward = runner, top_k, top_p, forward
+        # The proposal of the last tree drafted (which tree nodes the runner ran): accept() commits
+        # along it. rsd_runtime.predraft swaps it together with the runner's state.
+        self.proposal: ModelProposal | None = None
+
+    def draft(
+        self,
+        committed: list[int],
+        method: Method,
+        params: SamplingParams,
+        rng: StepRandom,
+        stop: Callable[[], bool] | None = None,
+    ) -> DraftTree:
+        """The next tree; rng: StepRandom(seed, Stream.DRAFT, len(committed) - 1). stop is asked before
+        each forward; when it says True the draft raises DraftStopped. The tree is on the CPU (what the
+        wire sends); the laws are drawn from on the draft model's device."""
+        self.proposal = ModelProposal(self.runner, committed, params, self.top_k, self.top_p, stop, self.forward)
+        return method.draft(self.proposal, committed[-1], rng, params.greedy, device="cpu")
+
+    def accept(self, committed_before: list[int], verdict: Verdict) -> None:
+        commit_path(self.runner, committed_before, self.proposal.tentative_of, verdict.accepted_idx)
+        self.proposal = None
+
+    @property
+    def num_forwards(self) -> int:
+        """Draft-model forwards of the tree being verified."""
+        return self.proposal.num_forwards if self.proposal else 0
+
+
+class Verifier:
+    """The target model of one session: one forward over a tree, then the rule."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.last_forward_s = 0.0  # of the last verify(): the target forward; the rest is acceptance
+
+    def verify(
+        self, committed: list[int], tree: DraftTree, rule: Rule, params: SamplingParams, rng: StepRandom
+    ) -> Verdict:
+        t = time.perf_counter()
+        logits = forward_with_catch_up(self.runner, committed, tree.token_ids, tree.parent_idx)  # [N, V]
+        self.last_forward_s = time.perf_counter() - t
+        target_probs = logits_to_probs(logits, params)  # [N, V] float32 at least, on the target's device
+        verdict = verify(tree.to(target_probs.device), target_probs, rule, rng)
+        offset = self._offset(committed)
+        commit_path(self.runner, committed, {n: n + offset for n in range(tree.num_nodes)}, verdict.accepted_idx)
+        return verdict
+
+    def _offset(self, committed: list[int]) -> int:
+        return len(committed) - 1 - self.runner.cache_len
+
+    def step_autoregressive(self, committed: list[int], params: SamplingParams, rng: StepRandom) -> int:
+        """The target alone: one token from its law at the root (the draw (Draw.TOKEN, node 0))."""
+        logits = forward_with_catch_up(self.runner, committed, torch.tensor(committed[-1:]), torch.tensor([-1]))
+        zero = torch.zeros((), dtype=torch.long, device=logits.device)
+        token = int(sample(logits_to_probs(logits[0], params), rng.uniform(Draw.TOKEN, zero, zero)))
+        self.runner.commit(list(range(self._offset(committed) + 1)))
+        return token
