@@ -20,7 +20,7 @@ law of what one step emits from the same node laws, for the enumeration proofs i
     kseq                    i.i.d. siblings, chains merged by prefix   SpecTr K-SEQ, in rsd.spectr
     greedy                  anything, temperature 0                    greedy matching
 
-One RRS node, worked (tests/test_exact.py checks these numbers). V = 4, children x_1 = 1, x_2 = 2:
+One RRS node, worked (tests/rsd/test_acceptance.py checks these numbers). V = 4, children x_1 = 1, x_2 = 2:
     q        = [0.25, 0.25, 0.25, 0.25]    target
     p = p_1  = [0.15, 0.50, 0.20, 0.15]    draft; x_1 was drawn from p_1
     k = 1    a_1 = min(1, q(1) / p_1(1)) = 0.25 / 0.50 = 0.5

@@ -24,7 +24,7 @@ drew it with probability >= tau (its own entry in its parent's law); RSD-S stops
 level none of whose beams reaches tau (dropping single beams would change which prefixes compete
 for the W slots). Either way the decision about a node's children is made before they are drawn,
 from draft-side values only, and the tree is the untruncated strategy's tree cut by a fixed
-function of its upper levels: tests/test_exact.py enumerates exactly that and the rules stay exact.
+function of its upper levels: tests/rsd/test_acceptance.py enumerates exactly that and the rules stay exact.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ class Draw(IntEnum):
 
 def philox4x32(counter: Tensor, key: tuple[int, int]) -> Tensor:
     """Philox4x32-10: counter [4, ...] (four 32-bit words in int64) and two 32-bit key words -> the four
-    32-bit output words [4, ...]. Matches Random123's known-answer vectors (tests/test_random.py).
+    32-bit output words [4, ...]. Matches Random123's known-answer vectors (tests/rsd/test_random.py).
 
     Each round multiplies words 0 and 2 by constants and keeps both halves of the 64-bit products; a
     word is split into 16-bit halves first, so no partial product passes 2^49 and int64 never overflows.
@@ -81,7 +81,7 @@ def _philox_ints(c0: int, c1: int, c2: int, c3: int, k0: int, k1: int) -> tuple[
     return c0, c1, c2, c3
 
 
-_FEW = 64  # up to this many counters _philox_ints is the faster (same bits: tests/test_random.py)
+_FEW = 64  # up to this many counters _philox_ints is the faster (same bits: tests/rsd/test_random.py)
 
 
 def _to_uniform(hi: Tensor, lo: Tensor) -> Tensor:

@@ -1,6 +1,6 @@
-"""Architectures, exact or refused: the README's table from the test matrix (tests/architectures.py); prints
+"""Architectures, exact or refused: the README's table from the test matrix (tests/fixtures/architectures.py); prints
 it and writes benchmarks/results/architectures.md (`rsd bench architectures`). It replays the test suite's
-matrix and per-path reference (tests/test_runner.py), so it runs from a source checkout, where tests/ is.
+matrix and per-path reference (tests/rsd_runtime/test_runner.py), so it runs from a source checkout, where tests/ is.
 
 Per architecture: the attention backend load_model picked, the plan check_model made (or its
 refusal), the largest tree-forward logit error against per-path causal forwards (a sequence 3x the
@@ -25,8 +25,8 @@ from rsd_runtime.generator import SpeculativeGenerator
 from rsd_runtime.models import load_model
 from rsd_runtime.runner import ModelRunner
 from rsd_tools.defaults import RESULTS_DIR
-from tests.architectures import ARCHS, WINDOW, save_pair
-from tests.test_runner import causal_logits, path, random_tree
+from tests.fixtures.architectures import ARCHS, WINDOW, save_pair
+from tests.rsd_runtime.test_runner import causal_logits, path, random_tree
 
 PROMPT = [2, 10, 11, 12, 13, 14, 15, 16, 17]
 HEADER = "| architecture | model_type | attention | layers (window) | result |"
@@ -94,8 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         "# Architectures: exact or refused",
         "",
-        f"Tiny random models of each architecture (tests/architectures.py; sliding windows of {WINDOW} tokens, "
-        "sequences of 30+), loaded with `load_model` (attention `auto`). `python -m rsd_bench.architectures`.",
+        "Tiny random models of each architecture (tests/fixtures/architectures.py; "
+        f"sliding windows of {WINDOW} tokens, sequences of 30+), loaded with `load_model` (attention `auto`). "
+        "`python -m rsd_bench.architectures`.",
         "",
         HEADER,
         "| --- | --- | --- | --- | --- |",

@@ -1,16 +1,25 @@
 """Exactness by enumeration: the largest gap between each method's exact one-step law and the target's law,
 per corner case, float64; prints it and writes benchmarks/results/exactness.md (`rsd bench exactness`).
 
-It replays the test suite's own cases and enumerators (tests/test_exact.py, tests/toy.py), so the report and
-the tests cannot drift apart; it runs from a source checkout, where tests/ is.
+It replays the test suite's own cases and enumerators (tests/rsd/test_acceptance.py, tests/fixtures/toy.py),
+so the report and the tests cannot drift apart; it runs from a source checkout, where tests/ is.
 """
 
 import argparse
 
 from rsd.acceptance import RULES
 from rsd_tools.defaults import RESULTS_DIR
-from tests import toy
-from tests.test_exact import CASES, METHODS, STOP, WOR, V, children_sorted_by_token, law_gap, unsure_nodes_dropped
+from tests.fixtures import toy
+from tests.rsd.test_acceptance import (
+    CASES,
+    METHODS,
+    STOP,
+    WOR,
+    V,
+    children_sorted_by_token,
+    law_gap,
+    unsure_nodes_dropped,
+)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,8 +4,8 @@
 
 Two ways, both on the library's own drafting and acceptance code (rsd.drafting, rsd.acceptance):
 
-- exact: every tree a strategy can draft with its probability (tests.toy enumerators, as in
-  tests/test_exact.py), times the exact law of what the rule emits on it (rsd.acceptance.step_law);
+- exact: every tree a strategy can draft with its probability (tests.fixtures.toy enumerators, as in
+  tests/rsd/test_acceptance.py), times the exact law of what the rule emits on it (rsd.acceptance.step_law);
   E[tokens per step] = sum over trees and emitted sequences of P * length. Small V and depth only.
 - Monte Carlo: trees drafted by draft_spectr / draft_sbs from a table proposal and verified by
   rsd.acceptance.verify, n steps, fixed seed; also where each step ended: a rejection at depth d, a
@@ -28,7 +28,7 @@ from rsd.acceptance import RULES, step_law, verify
 from rsd.drafting import DraftMode, draft_sbs, draft_spectr
 from rsd.random import StepRandom, Stream
 from rsd_tools.defaults import RESULTS_DIR
-from tests import toy
+from tests.fixtures import toy
 
 # (name, scale, sigma, T, mix) of the Monte Carlo pairs; "code-like": 70% near-certain, well-aligned
 # positions and 30% broad, misaligned ones (target top-1 mass mean ~0.7, median ~0.8; TV mean ~0.2,

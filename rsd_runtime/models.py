@@ -111,7 +111,7 @@ def load_model(
 def batch_variance(model: torch.nn.Module) -> str:
     """Why a row's logits from this loaded model may depend on the other rows of its forward ("" where they
     never do): on how many rows share it, which sessions they belong to, which masked keys lie between its own.
-    Result files record it (the benchmark's batch_invariant), tests/test_batch_invariance.py checks it.
+    Result files record it (the benchmark's batch_invariant), tests/rsd_runtime/test_batch_invariance.py checks it.
 
     Invariant: a CPU model whose every linear layer runs on rsd_runtime.small_gemm at any row count (in calls of
     64 rows: float32 on AVX2, bfloat16 on AVX512-BF16 or AMX; an int8 drafter's Int8Linear on AVX512-VNNI) and

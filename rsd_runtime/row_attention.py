@@ -19,7 +19,7 @@ forward, which sessions they belong to, which masked keys sit between its own, o
 
 The kernel (rsd_runtime/csrc/row_attention.c, AVX2 + FMA, float32 or bfloat16 keys, float32 sums)
 is built like rsd_runtime.small_gemm's and runs where its float32 kernel does (`available`); against sdpa it
-differs by float rounding only (tests/test_batch_invariance.py).
+differs by float rounding only (tests/rsd_runtime/test_batch_invariance.py).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ way (csrc/small_gemm_threads.h).
 
 Exactness: a row's result is the same whatever rows share its call (each row has its own accumulators or
 tile lanes, summed over K in the same order), so a tree's node gets bit-for-bit the value it would get
-alone; against F.linear it differs by float rounding only (tests/test_small_gemm.py).
+alone; against F.linear it differs by float rounding only (tests/rsd_runtime/test_small_gemm.py).
 
 Each kernel is a C file of csrc/ (package data) compiled at first use with the system compiler ($CC, else
 `cc`) into kernel_dir() ($RSD_KERNEL_DIR, else ~/.cache/rsd/kernels), keyed by its source text (headers

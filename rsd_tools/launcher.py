@@ -1,6 +1,6 @@
 """The process launcher: services as plain processes on loopback, each `python -m <service>` with its
 log in a run directory. Used by `rsd cluster` (rsd_tools.cluster), the service benchmark
-(rsd_bench.services) and the fault tests (tests/test_faults.py).
+(rsd_bench.services) and the fault tests (tests/e2e/test_faults.py).
 
     cluster = Cluster(run_dir)
     env = service_env()

@@ -18,7 +18,7 @@ if [ "$rc" = 5 ]; then
     echo "test: pytest collected no tests: treating that as a failure" >&2
     exit 1
 fi
-# Ray tests (marker `ray`, tests/test_ray_pool.py) start a real local Ray cluster. Ray binds to the
+# Ray tests (marker `ray`, tests/e2e/test_ray_pool.py) start a real local Ray cluster. Ray binds to the
 # machine's routable address even when told 127.0.0.1, so they run in a private network namespace
 # with only loopback up (needs root or user namespaces); the module skips itself outside one.
 if [ "${RSD_SKIP_RAY_TESTS:-0}" = 1 ]; then

@@ -198,3 +198,13 @@ def test_no_package_is_too_big():
         by_package[m.split(".")[0]] = by_package.get(m.split(".")[0], 0) + n
     big = {p: f"{n / total:.0%}" for p, n in by_package.items() if n > total / 3}
     assert not big, f"packages over a third of {total} lines: {big}"
+
+
+def test_the_algorithm_package_is_pure():
+    """rsd/ imports torch and the standard library's pure parts only (an allow-list: FORBIDDEN is its floor)."""
+    allowed = {"torch", "rsd", "__future__", "dataclasses", "collections", "typing", "math", "functools", "enum"}
+    modules = [m for m in MODULES if m.split(".")[0] == "rsd"]
+    assert {"rsd", "rsd.acceptance", "rsd.drafting", "rsd.sampling", "rsd.tree"} <= set(modules)
+    for module in modules:
+        for imported, _, line in _imports(_parsed(module), module):
+            assert imported.split(".")[0] in allowed, f"{MODULES[module].relative_to(ROOT)}:{line} imports {imported}"

@@ -1,0 +1,557 @@
+"""The drafter and verifier services over real gRPC (in-process grpc.aio servers on loopback, port 0)
+and a real redis-server, with tiny Llama models.
+
+The test plays the gateway: it calls Drafter.Run with the committed tokens and the verifier's
+address, or talks to Verifier.Attach/Verify directly. Reference for every output: the in-process
+SpeculativeGenerator with the same seed (and the target's own greedy decoding at T=0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from contextlib import asynccontextmanager
+
+import grpc
+import pytest
+import redis
+import torch
+
+from drafter_service import server as drafter_server
+from drafter_service.config import DrafterConfig
+from gateway.store import RedisSessionStore
+from rsd.acceptance import RULES
+from rsd.methods import Method
+from rsd.sampling import SamplingParams
+from rsd.tree import DraftTree
+from rsd_runtime import packed
+from rsd_runtime.generator import SpeculativeGenerator
+from rsd_runtime.models import batch_variance, load_model
+from rsd_runtime.runner import ModelRunner
+from rsd_tools.tiny import build_tiny_pair
+from rsd_wire import GRPC_OPTIONS, common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from rsd_wire.convert import draft_tree_to_proto, proposal_law_to_proto, tensor_to_proto
+from tests.fixtures.redis_server import redis_server
+from verifier_service import server as verifier_server
+from verifier_service.batcher import Batcher
+from verifier_service.config import VerifierConfig
+from verifier_service.engine import UnknownSessionError, VerifierPool, VerifyRequest
+
+PROMPT = [2, 10, 11, 12, 13]
+MAX_LEN = 256
+NEW_TOKENS = 20
+CASES = [
+    ("sd", "3"),
+    ("specinfer", "2,2"),
+    ("spectr", "2x3"),
+    ("rsd_c", "2,2,1"),
+    ("rsd_s", "3x3"),
+    ("rsd_s", "3x4@0.2"),
+]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    draft_dir, target_dir = build_tiny_pair(tmp_path_factory.mktemp("tiny"), "llama")
+    return load_model(draft_dir), load_model(target_dir)
+
+
+def reference(models, prompt, method, params, seed, new_tokens=NEW_TOKENS, draft_top_k=256) -> list[int]:
+    draft, target = models
+    gen = SpeculativeGenerator(ModelRunner(target, MAX_LEN), ModelRunner(draft, MAX_LEN), draft_top_k=draft_top_k)
+    return gen.generate(prompt, method, params, max_new_tokens=new_tokens, seed=seed).token_ids
+
+
+def gen_params(name: str, shape: str, temperature: float, seed: int, top_p: float | None = None):
+    sampling = common_pb2.SamplingParams(temperature=temperature)
+    if top_p is not None:
+        sampling.top_p = top_p
+    return common_pb2.GenerationParams(sampling=sampling, method=common_pb2.Method(name=name, shape=shape), seed=seed)
+
+
+@asynccontextmanager
+async def services(models, verifier_cfg: dict | None = None, drafter_cfg: dict | None = None):
+    """A verifier and a drafter on loopback; yields (verifier handle, drafter handle, drafter stub, verifier stub)."""
+    draft, target = models
+    vcfg = VerifierConfig(**{"max_len": MAX_LEN, "num_slots": 8, **(verifier_cfg or {})})
+    dcfg = DrafterConfig(**{"max_len": MAX_LEN, **(drafter_cfg or {})})
+    vserver, _, vhandle = await verifier_server.create_server(vcfg, target)
+    dserver, _, dhandle = await drafter_server.create_server(dcfg, draft)
+    try:
+        async with (
+            grpc.aio.insecure_channel(dhandle.address, options=GRPC_OPTIONS) as dchan,
+            grpc.aio.insecure_channel(vhandle.address, options=GRPC_OPTIONS) as vchan,
+        ):
+            yield vhandle, dhandle, drafter_pb2_grpc.DrafterStub(dchan), verifier_pb2_grpc.VerifierStub(vchan)
+    finally:
+        await dhandle.close(dserver, 0)
+        await vhandle.close(vserver, 0)
+
+
+async def run(stub, vhandle, session_id, params, committed=PROMPT, new_tokens=NEW_TOKENS, epoch=1, eos=()):
+    """Drafter.Run as the gateway calls it; -> (new tokens, events). Checks positions are contiguous."""
+    request = drafter_pb2.RunRequest(
+        session_id=session_id,
+        epoch=epoch,
+        committed_token_ids=committed,
+        params=params,
+        max_new_tokens=new_tokens,
+        eos_token_ids=eos,
+        verifier_address=vhandle.address,
+        verifier_id=vhandle.verifier_id,
+    )
+    tokens, events = [], []
+    async for event in stub.Run(request):
+        assert event.start_position == len(committed) + len(tokens)
+        assert (event.session_id, event.epoch) == (session_id, epoch)
+        tokens += event.token_ids
+        events.append(event)
+    assert events[-1].finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+    assert all(e.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED for e in events[:-1])
+    return tokens, events
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. exactness through drafter -> verifier
+
+
+def test_every_method_matches_in_process_generator(models):
+    """T=0: every method equals the target's greedy output; T>0: SpeculativeGenerator, token for token."""
+    greedy = SpeculativeGenerator(ModelRunner(models[1], MAX_LEN)).generate(PROMPT, None, SamplingParams(0), NEW_TOKENS)
+    jobs = []
+    for i, (name, shape) in enumerate(CASES):
+        jobs.append((f"greedy-{i}-{name}", gen_params(name, shape, 0.0, seed=i), greedy.token_ids))
+        params = gen_params(name, shape, 0.8, seed=100 + i, top_p=0.95 if i % 2 else None)
+        sampling = SamplingParams(0.8, top_p=0.95 if i % 2 else 1.0)
+        jobs.append(
+            (f"sample-{i}-{name}", params, reference(models, PROMPT, Method.parse(name, shape), sampling, 100 + i))
+        )
+
+    async def main():
+        unbatched = {"num_slots": len(jobs), "batching": False}  # test 2 covers the batched path
+        async with services(models, unbatched, {"max_sessions": len(jobs)}) as (vhandle, _, stub, _):
+            outs = await asyncio.gather(*(run(stub, vhandle, sid, params) for sid, params, _ in jobs))
+        for (sid, _, expected), (tokens, events) in zip(jobs, outs, strict=True):
+            assert tokens == expected, sid
+            assert events[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+            assert sum(e.stats.num_accepted_tokens + 1 for e in events) >= len(tokens)
+            assert {e.stats.verifier.batch_num_sessions for e in events} == {1}  # batching off
+
+    asyncio.run(main())
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. several sessions at once, packed into shared forwards
+
+
+def test_concurrent_sessions_are_packed_and_exact(models, monkeypatch):
+    """Four Runs against one batching verifier, with the drafter truncating its proposals to its
+    top 16 (sparse laws on the wire): each equals its solo in-process output, and some target
+    forwards held more than one session. Every packed forward ran on its service's compute thread
+    (rsd_runtime.compute)."""
+    threads = []  # the thread each packed forward ran on
+
+    def on_thread(fn):
+        def wrapped(*args, **kwargs):
+            threads.append(threading.current_thread().name)
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(packed, "forward_packed", on_thread(packed.forward_packed))
+    jobs = {f"s{i}": (PROMPT[: 2 + i], gen_params(*CASES[(i + 1) % 5], temperature=1.0, seed=7 + i)) for i in range(4)}
+    expected = {
+        sid: reference(
+            models, prompt, Method.parse(p.method.name, p.method.shape), SamplingParams(1.0), p.seed, draft_top_k=16
+        )
+        for sid, (prompt, p) in jobs.items()
+    }
+
+    async def main():
+        cfg = {"batch_wait_ms": 20.0}
+        async with services(models, cfg, {"proposal_top_k": 16}) as (vhandle, dhandle, stub, _):
+            vhandle.engine.verify_batch = on_thread(vhandle.engine.verify_batch)
+            outs = await asyncio.gather(*(run(stub, vhandle, sid, p, committed=pr) for sid, (pr, p) in jobs.items()))
+            stats, draft_stats = vhandle.batcher.stats, dhandle.engine.packer.stats
+        for sid, (tokens, _) in zip(jobs, outs, strict=True):
+            assert tokens == expected[sid], sid
+        sessions_per_forward = [e.stats.verifier.batch_num_sessions for _, events in outs for e in events]
+        assert max(sessions_per_forward) > 1
+        assert stats.num_multi_session_forwards > 0 and stats.max_sessions > 1
+        # The drafter packed the sessions' draft forwards too (rsd_runtime.packed).
+        assert draft_stats.max_calls > 1 and draft_stats.forwards < draft_stats.calls
+        assert {name.split("_")[0] for name in threads} == {"drafter-compute", "verifier-compute"}
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("others", [1, 3, 7])
+def test_a_seeded_session_gets_its_lone_tokens_whoever_shares_the_batch(models, others):
+    """Session 0 at T = 0.8 alone, then packed with `others` sessions of other methods, prompts (one of 70
+    tokens: a packed forward above small_gemm's 64 rows) and seeds, through the batching services: the same
+    tokens, as vLLM's batch-invariant mode and SGLang's deterministic inference promise. Holds where no path
+    of either model varies with its batch (rsd_runtime.models.batch_variance)."""
+    draft, target = models
+    why = batch_variance(target) or batch_variance(draft)
+    if why:
+        pytest.skip(f"not batch-invariant on this machine: {why}")
+    vocab = target.config.vocab_size
+    mine = ("me", PROMPT, gen_params("rsd_s", "3x3", 0.8, seed=11))
+    crowd = [
+        (
+            f"o{i}",
+            [2] + [(5 + 7 * i + j) % vocab for j in range(69 if i == 1 else 3 + i)],
+            gen_params(*CASES[i % 6], 0.8, 50 + i),
+        )
+        for i in range(others)
+    ]
+
+    async def main(jobs):
+        cfg = {"batch_wait_ms": 30.0, "num_slots": 8}
+        async with services(models, cfg, {"max_sessions": 8}) as (vhandle, _, stub, _):
+            return await asyncio.gather(*(run(stub, vhandle, sid, p, committed=pr) for sid, pr, p in jobs))
+
+    ((alone, _),) = asyncio.run(main([mine]))
+    outs = asyncio.run(main([mine, *crowd]))
+    assert outs[0][0] == alone
+    assert max(e.stats.verifier.batch_num_sessions for e in outs[0][1]) > 1  # it did share forwards
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. bad input
+
+
+def valid_tree(root: int, vocab: int, scale: float = 1.0) -> DraftTree:
+    """root -> a -> b, with full-support laws (scale != 1 makes them unnormalised)."""
+    probs = torch.softmax(torch.randn(3, vocab, generator=torch.Generator().manual_seed(0)), -1) * scale
+    return DraftTree(torch.tensor([root, 20, 21]), torch.tensor([-1, 0, 1]), probs)
+
+
+async def verify_once(vstub, msg) -> verifier_pb2.Verdict:
+    call = vstub.Verify()
+    await call.write(msg)
+    reply = await call.read()
+    await call.done_writing()
+    if reply is grpc.aio.EOF:
+        raise grpc.aio.AioRpcError(await call.code(), None, None, await call.details())
+    return reply
+
+
+async def expect_status(code, coro) -> str:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await coro
+    assert info.value.code() == code, info.value.details()
+    assert info.value.details()
+    return info.value.details()
+
+
+def test_bad_input_gets_a_status_and_harms_no_one(models):
+    vocab = models[1].config.vocab_size
+    good = gen_params("rsd_c", "2,2,1", 0.9, seed=5)
+    expected = reference(models, PROMPT, Method.parse("rsd_c", "2,2,1"), SamplingParams(0.9), 5)
+
+    def tree_msg(tree=None, **fields):
+        msg = draft_tree_to_proto(tree or valid_tree(PROMPT[-1], vocab), session_id="bad", epoch=3, root_position=4)
+        for name, value in fields.items():
+            if isinstance(value, torch.Tensor):
+                getattr(msg, name).CopyFrom(tensor_to_proto(value))
+            else:
+                setattr(msg, name, value)
+        return msg
+
+    async def attacks(vstub):
+        invalid, precondition = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
+        attach = verifier_pb2.AttachRequest(session_id="bad", epoch=3, committed_token_ids=PROMPT, params=good)
+        assert (await vstub.Attach(attach)).vocab_size == vocab
+        cycle = await expect_status(invalid, verify_once(vstub, tree_msg(parent_idx=torch.tensor([-1, 2, 1]))))
+        assert "parent" in cycle
+        oov = await expect_status(invalid, verify_once(vstub, tree_msg(token_ids=torch.tensor([PROMPT[-1], 9999, 21]))))
+        assert "vocabulary" in oov
+        unnormalised = tree_msg(valid_tree(PROMPT[-1], vocab, scale=1.5))
+        assert "sum to 1" in await expect_status(invalid, verify_once(vstub, unnormalised))
+        sparse_bad = tree_msg()
+        sparse_bad.laws[0].CopyFrom(proposal_law_to_proto(0, torch.tensor([0.0] * (vocab - 1) + [1.0])))
+        assert "zero probability" in await expect_status(invalid, verify_once(vstub, sparse_bad))
+        assert "root_position" in await expect_status(precondition, verify_once(vstub, tree_msg(root_position=9)))
+        assert "epoch" in await expect_status(precondition, verify_once(vstub, tree_msg(epoch=2)))
+        await expect_status(grpc.StatusCode.NOT_FOUND, verify_once(vstub, tree_msg(session_id="nobody")))
+        wrong_root = tree_msg(token_ids=torch.tensor([PROMPT[-1] + 1, 20, 21]))
+        assert "root" in await expect_status(invalid, verify_once(vstub, wrong_root))
+        older = verifier_pb2.AttachRequest(session_id="bad", epoch=2, committed_token_ids=PROMPT, params=good)
+        await expect_status(precondition, vstub.Attach(older))
+        no_seed = verifier_pb2.AttachRequest(session_id="x", epoch=1, committed_token_ids=PROMPT)
+        await expect_status(invalid, vstub.Attach(no_seed))
+        # After all that, the session still verifies a good tree.
+        assert (await verify_once(vstub, tree_msg())).root_position == 4
+
+    async def bad_runs(stub, vhandle):
+        base = dict(session_id="r", epoch=1, committed_token_ids=PROMPT, params=good, max_new_tokens=4)
+        base["verifier_address"] = vhandle.address
+        bad = [
+            {"committed_token_ids": []},
+            {"committed_token_ids": [*PROMPT, vocab]},
+            {"session_id": "no spaces"},
+            {"params": gen_params("nope", "2", 0.5, seed=1)},
+            {"params": gen_params("rsd_c", "0,2", 0.5, seed=1)},
+            {"params": common_pb2.GenerationParams(method=good.method)},  # no seed
+            {"params": gen_params("sd", "3", -1.0, seed=1)},
+            {"verifier_address": ""},
+            {"max_new_tokens": MAX_LEN},
+        ]
+        for fields in bad:
+            request = drafter_pb2.RunRequest(**{**base, **fields})
+            await expect_status(grpc.StatusCode.INVALID_ARGUMENT, stub.Run(request).read())
+        gone = drafter_pb2.RunRequest(**{**base, "verifier_address": "127.0.0.1:1"})
+        assert "verifier" in await expect_status(grpc.StatusCode.UNAVAILABLE, stub.Run(gone).read())
+
+    async def main():
+        async with services(models) as (vhandle, _, stub, vstub):
+            honest = asyncio.create_task(run(stub, vhandle, "honest", good))
+            await attacks(vstub)
+            await bad_runs(stub, vhandle)
+            tokens, _ = await honest
+        assert tokens == expected
+
+    asyncio.run(main())
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. idempotent retry
+
+
+def test_retried_tree_returns_the_stored_verdict(models):
+    vocab = models[1].config.vocab_size
+
+    async def main():
+        async with services(models) as (vhandle, _, _, vstub):
+            attach = verifier_pb2.AttachRequest(
+                session_id="retry", epoch=1, committed_token_ids=PROMPT, params=gen_params("sd", "2", 1.0, seed=3)
+            )
+            await vstub.Attach(attach)
+            msg = draft_tree_to_proto(valid_tree(PROMPT[-1], vocab), session_id="retry", epoch=1, root_position=4)
+            first = await verify_once(vstub, msg)
+            cached = vhandle.engine.cached_length("retry")
+            committed = list(vhandle.servicer.sessions["retry"].committed)
+            again = await verify_once(vstub, msg)  # a new stream, as after a lost connection
+            assert again == first
+            assert vhandle.engine.cached_length("retry") == cached == len(PROMPT) + len(first.accepted_token_ids)
+            assert vhandle.servicer.sessions["retry"].committed == committed
+            other = draft_tree_to_proto(
+                DraftTree(torch.tensor([PROMPT[-1], 30]), torch.tensor([-1, 0]), torch.full((2, vocab), 1 / vocab)),
+                session_id="retry",
+                epoch=1,
+                root_position=4,
+            )
+            await expect_status(grpc.StatusCode.FAILED_PRECONDITION, verify_once(vstub, other))
+            # The next step goes on from the committed sequence.
+            root = committed[-1]
+            nxt = DraftTree(torch.tensor([root, 40]), torch.tensor([-1, 0]), torch.full((2, vocab), 1 / vocab))
+            reply = await verify_once(
+                vstub, draft_tree_to_proto(nxt, session_id="retry", epoch=1, root_position=len(committed) - 1)
+            )
+            assert reply.root_position == len(committed) - 1
+
+    asyncio.run(main())
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. registration in Redis
+
+
+def test_services_register_and_expire(models):
+    draft, target = models
+    with redis_server() as server:
+        namespace = server.namespace("services")
+        store = RedisSessionStore(server.client(), namespace=namespace)
+        reg = {"redis_url": server.url, "redis_namespace": namespace, "heartbeat_s": 0.2, "registration_ttl_s": 1.5}
+
+        async def main():
+            vserver, _, vhandle = await verifier_server.create_server(VerifierConfig(**reg, verifier_id="v1"), target)
+            dserver, _, dhandle = await drafter_server.create_server(DrafterConfig(**reg), draft)
+            try:
+                await asyncio.sleep(0.5)  # a couple of heartbeats
+                (info,) = store.list_services("verifier")
+                assert (info.service_id, info.address, info.capacity) == ("v1", vhandle.address, 8)
+                assert [d.address for d in store.list_services("drafter")] == [dhandle.address]
+                # A crash: the heartbeat stops and nobody unregisters; the entry expires after its TTL.
+                await vhandle.heartbeat.stop(unregister=False)
+                vhandle.heartbeat = None
+                await asyncio.sleep(0.3)
+                assert [s.service_id for s in store.list_services("verifier")] == ["v1"]
+                deadline = time.monotonic() + 5
+                while store.list_services("verifier") and time.monotonic() < deadline:
+                    await asyncio.sleep(0.1)
+                assert store.list_services("verifier") == []
+            finally:
+                await vhandle.close(vserver, 0)
+                await dhandle.close(dserver, 0)  # a graceful stop unregisters at once
+            assert store.list_services("drafter") == []
+
+        asyncio.run(main())
+        with pytest.raises(redis.ConnectionError):  # a wrong Redis URL fails at start, not silently
+
+            async def bad():
+                await verifier_server.create_server(VerifierConfig(redis_url="redis://127.0.0.1:1/0"), target)
+
+            asyncio.run(bad())
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. a continued run reuses both caches
+
+
+def test_continued_run_reuses_the_caches(models):
+    method = Method.parse("rsd_s", "3x3")
+
+    async def main():
+        async with services(models) as (vhandle, dhandle, stub, _):
+            first, _ = await run(stub, vhandle, "cont", gen_params("rsd_s", "3x3", 0.7, seed=11), new_tokens=12)
+            assert dhandle.engine.last_attach["cont"].cached_length_tokens == 0
+            committed = PROMPT + first + [50, 51]  # the next turn: generated tokens, then new input
+            second, _ = await run(
+                stub, vhandle, "cont", gen_params("rsd_s", "3x3", 0.7, seed=12), committed=committed, epoch=2
+            )
+            cached = dhandle.engine.last_attach["cont"].cached_length_tokens  # as the verifier answered Attach
+            assert cached >= len(PROMPT) + len(first) - 1
+            assert vhandle.servicer.sessions["cont"].cached_at_attach == cached
+            return first, committed, second
+
+    first, committed, second = asyncio.run(main())
+    assert first == reference(models, PROMPT, method, SamplingParams(0.7), 11, new_tokens=12)
+    assert second == reference(models, committed, method, SamplingParams(0.7), 12)
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. slots and cancellation
+
+
+def test_idle_sessions_are_evicted_and_runs_cancel(models):
+    """One verifier slot: a finished session's cache makes room for a new one, a streaming session's
+    does not (the drafter reports UNAVAILABLE: the gateway tries another verifier). Cancel ends a
+    run with a CANCELLED event, and only at the run's epoch."""
+    params = gen_params("sd", "3", 0.0, seed=0)
+
+    async def main():
+        async with services(models, {"num_slots": 1}) as (vhandle, _, stub, _):
+            await run(stub, vhandle, "a", params, new_tokens=4)
+            assert set(vhandle.servicer.sessions) == {"a"}  # kept for the session's next turn
+            fields = dict(
+                committed_token_ids=PROMPT, params=params, max_new_tokens=200, verifier_address=vhandle.address
+            )
+            call = stub.Run(drafter_pb2.RunRequest(session_id="b", epoch=1, **fields))
+            assert (await call.read()).token_ids
+            assert set(vhandle.servicer.sessions) == {"b"}  # "a" was idle: evicted
+            blocked = drafter_pb2.RunRequest(**{**fields, "session_id": "c", "epoch": 1, "max_new_tokens": 4})
+            details = await expect_status(grpc.StatusCode.UNAVAILABLE, stub.Run(blocked).read())
+            assert "RESOURCE_EXHAUSTED" in details
+            assert not (await stub.Cancel(drafter_pb2.CancelRunRequest(session_id="b", epoch=2))).was_running
+            assert (await stub.Cancel(drafter_pb2.CancelRunRequest(session_id="b", epoch=1))).was_running
+            events = []
+            while (event := await call.read()) is not grpc.aio.EOF:
+                events.append(event)
+            assert events[-1].finish_reason == common_pb2.FINISH_REASON_CANCELLED
+            assert sum(len(e.token_ids) for e in events) < 150
+            # The gateway drops a Run mid-stream; the next run of the session (new epoch) is still exact.
+            dropped = stub.Run(drafter_pb2.RunRequest(**{**fields, "session_id": "b", "epoch": 2}))
+            assert (await dropped.read()).token_ids
+            dropped.cancel()
+            committed = [*PROMPT, 9, 9]
+            tokens, _ = await run(stub, vhandle, "b", params, committed=committed, new_tokens=8, epoch=3)
+            return committed, tokens
+
+    committed, tokens = asyncio.run(main())
+    assert tokens == reference(models, committed, Method.parse("sd", "3"), SamplingParams(0), 0, new_tokens=8)
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. the batcher alone: a request the engine refuses does not cost its batch-mates their step
+
+
+def test_batcher_isolates_a_refused_request(models):
+    vocab = models[1].config.vocab_size
+    engine = VerifierPool(models[1], num_slots=2, max_len=MAX_LEN)
+    engine.attach("ok", PROMPT)
+
+    async def main():
+        batcher = Batcher(engine, max_batch_nodes=512, batch_wait_ms=50.0)
+        batcher.start()
+        try:
+            greedy = (RULES["greedy"], SamplingParams(0), None)
+            good = VerifyRequest("ok", PROMPT, valid_tree(PROMPT[-1], vocab), *greedy)
+            ghost = VerifyRequest("ghost", PROMPT, valid_tree(PROMPT[-1], vocab), *greedy)
+            outcomes = await asyncio.gather(
+                batcher.submit(good, 7, lambda v, info: (v, info)),
+                batcher.submit(ghost, 7, lambda v, info: (v, info)),
+                return_exceptions=True,
+            )
+        finally:
+            await batcher.stop()
+        (verdict, info), refused = outcomes
+        assert isinstance(refused, UnknownSessionError)
+        assert info.num_sessions == 1  # retried alone after the packed call was refused
+        assert engine.cached_length("ok") == len(PROMPT) + len(verdict.accepted_ids)
+
+    asyncio.run(main())
+
+
+# ---------------------------------------------------------------------------------------------
+# 9. the verifier dies mid-run
+
+
+def test_verifier_death_mid_run_is_unavailable(models):
+    """drafter.proto: a failed verifier stream ends the Run with UNAVAILABLE (the gateway's cue to
+    fail over), and the drafter serves the session's next run on a live verifier, exactly."""
+    params = gen_params("rsd_c", "2,2,1", 0.0, seed=0)
+
+    async def main():
+        async with services(models) as (vhandle, dhandle, stub, _):
+            dead_server, _, dead = await verifier_server.create_server(VerifierConfig(max_len=MAX_LEN), models[1])
+            request = drafter_pb2.RunRequest(
+                session_id="f",
+                epoch=1,
+                committed_token_ids=PROMPT,
+                params=params,
+                max_new_tokens=200,
+                verifier_address=dead.address,
+            )
+            call = stub.Run(request)
+            first = await call.read()
+            await dead.close(dead_server, 0)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                while await call.read() is not grpc.aio.EOF:
+                    pass
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
+            assert dhandle.engine.num_running == 0
+            committed = [*PROMPT, *first.token_ids]
+            tokens, _ = await run(stub, vhandle, "f", params, committed=committed, new_tokens=8, epoch=2)
+            return committed, tokens
+
+    committed, tokens = asyncio.run(main())
+    assert tokens == reference(models, committed, Method.parse("rsd_c", "2,2,1"), SamplingParams(0), 0, new_tokens=8)
+
+
+def test_batcher_skips_the_wait_when_every_open_session_is_queued():
+    """A lone session must not pay batch_wait_ms per step: with an hour-long wait configured, the
+    gather returns at once when every session with an open stream has a tree queued."""
+    from verifier_service.batcher import Batcher
+    from verifier_service.engine import VerifyRequest
+
+    class Forwarded(Exception):
+        pass
+
+    class Engine:  # stands for the VerifierPool: says the forward ran
+        def verify_batch(self, requests):
+            raise Forwarded
+
+    async def run() -> None:
+        batcher = Batcher(Engine(), max_batch_nodes=512, batch_wait_ms=3_600_000)
+        batcher.open_sessions = lambda: 1
+        batcher.start()
+        try:
+            with pytest.raises(Forwarded):  # not a TimeoutError: the hour was not waited
+                await asyncio.wait_for(batcher.submit(VerifyRequest("a", [1, 2], None, None, None), 3, None), 60)
+        finally:
+            await batcher.stop()
+
+    asyncio.run(run())

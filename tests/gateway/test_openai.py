@@ -1,0 +1,422 @@
+"""Chat in the gRPC API and the gateway's OpenAI-compatible HTTP API (gateway.http_api), with the official
+`openai` client, against real services: a verifier and a drafter (tiny Qwen2 pair, real grpc.aio servers
+on loopback) that register in a real redis-server, and gateways that find them there and serve gRPC and
+HTTP from one engine. Every HTTP answer is checked against what the gRPC API gives for the same request.
+"""
+
+from __future__ import annotations
+
+import copy
+import ssl
+import time
+from dataclasses import dataclass
+
+import grpc
+import httpx2 as httpx
+import openai
+import pytest
+from prometheus_client import generate_latest
+
+from gateway.chat import ChatTemplate
+from gateway.config import GatewayConfig
+from gateway.server import create_server
+from gateway.store import MemorySessionStore
+from rsd_service.client import RsdClient
+from rsd_service.security import ClientSecurity
+from rsd_tools.tiny import word_tokenizer
+from rsd_wire import common_pb2, gateway_pb2
+from tests.e2e.test_security import make_pki
+from tests.gateway import test_engine as test_gateway
+from tests.gateway.test_engine import start_registered_services, start_stack
+
+# test_gateway's fixtures: the tiny Qwen2 pair and its tokenizer, the server loop thread, redis-server
+tiny_dirs, tiny_tokenizer, pair = test_gateway.tiny_dirs, test_gateway.tiny_tokenizer, test_gateway.pair
+loop, redis_url = test_gateway.loop, test_gateway.redis_url
+
+TOKEN = "s3cret-token"
+MODEL = "rsd-tiny"
+PROMPT = "w2 w10 w11 w12"
+CHAT = [("system", "w3 w4"), ("user", "w5 w6 w7")]
+RSD_C = {"method": "rsd_c", "shape": "2,2,1"}
+FINISH = {common_pb2.FINISH_REASON_LENGTH: "length", common_pb2.FINISH_REASON_EOS: "stop"}
+
+
+@dataclass
+class Gateway:
+    server: grpc.aio.Server
+    handle: object
+    address: str
+
+    @property
+    def base_url(self) -> str:
+        return self.handle.http.base_url
+
+    def grpc(self) -> RsdClient:
+        return RsdClient(self.address, timeout_s=60, security=ClientSecurity(token=TOKEN))
+
+    def openai(self, api_key: str = TOKEN) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base_url, api_key=api_key, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def registry(loop, pair, redis_url):
+    registry = {"redis_url": redis_url, "redis_namespace": f"rsd-test-openai-{time.monotonic_ns()}"}
+    closers = loop.run(start_registered_services(pair, registry), timeout_s=120)
+    yield registry
+    for handle, server in closers:
+        loop.run(handle.close(server, 0))
+
+
+@pytest.fixture(scope="module")
+def start_gateway(loop, registry, tiny_tokenizer):
+    """start_gateway(**config) -> a Gateway (gRPC and HTTP, token TOKEN) over the registered services."""
+    started = []
+
+    def start(tokenizer=tiny_tokenizer, **config) -> Gateway:
+        cfg = GatewayConfig(port=0, http_port=0, auth_token=TOKEN, served_model_name=MODEL, **registry, **config)
+        server, port, handle = loop.run(create_server(cfg, tokenizer=tokenizer))
+        started.append(Gateway(server, handle, f"127.0.0.1:{port}"))
+        return started[-1]
+
+    yield start
+    for gw in started:
+        loop.run(gw.handle.close(gw.server, 0))
+
+
+@pytest.fixture(scope="module")
+def gw(start_gateway) -> Gateway:
+    return start_gateway()
+
+
+def wait_until_done(gw: Gateway, session_id: str) -> gateway_pb2.Session:
+    """The session once its turn has ended (the turn may still be stopping when the client returns)."""
+    with gw.grpc() as client:
+        while (session := client.get_session(session_id, include_token_ids=True)).status == (
+            gateway_pb2.SESSION_STATUS_RUNNING
+        ):
+            time.sleep(0.05)
+    return session
+
+
+def chat_ids(tokenizer, messages) -> list[int]:
+    text = tokenizer.apply_chat_template(
+        [{"role": r, "content": c} for r, c in messages], tokenize=False, add_generation_prompt=True
+    )
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Chat in the gRPC API
+
+
+def test_chat_template_end_of_turn_and_continuation():
+    tok = word_tokenizer(64)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = (
+        "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nw1<|im_end|>\n{% endif %}"
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    chat = ChatTemplate(tok)
+    im_start, im_end = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    assert chat.end_of_turn_ids == [tok.eos_token_id, im_end]
+    first = [{"role": "user", "content": "w5"}]
+    reply = [{"role": "assistant", "content": "w9"}]
+    more = [{"role": "user", "content": "w7"}]
+    # A continuation after a turn that ended at <|im_end|> is the whole conversation's rendering.
+    whole = chat.encode([*first, *reply, *more], continuation=False)
+    assert chat.encode(first, False) + tok.encode("w9", add_special_tokens=False) + [im_end] + chat.encode(
+        more, True
+    ) == [*whole]
+    assert chat.encode(more, True)[0] == im_start  # no second system prompt
+    with pytest.raises(ValueError, match="no chat template"):
+        ChatTemplate(_without_template(tok)).encode(first, False)
+    with pytest.raises(ValueError, match="empty"):
+        chat.encode([], False)
+
+
+def _without_template(tokenizer):
+    plain = copy.deepcopy(tokenizer)
+    plain.chat_template = None
+    return plain
+
+
+def test_a_chat_turn_also_stops_at_the_end_of_turn_token(loop, pair, tiny_tokenizer):
+    """The drafter is told to stop at eos and at the template's end of turn (here <pad>, id 0) for a chat
+    turn, at eos alone for a text turn; test_gateway's DrafterTap records the real drafter's runs."""
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.chat_template = tok.chat_template.replace("<eos>", "<pad>")
+    stack = start_stack(loop, (pair[0], pair[1], tok), MemorySessionStore())
+    try:
+        with stack.client() as client:
+            gen = client.generate(messages=CHAT, temperature=0.0, max_new_tokens=3, seed=0).wait()
+            client.generate("w9", session_id=gen.session_id, max_new_tokens=2).wait()
+    finally:
+        stack.stop()
+    chat_run, text_run = stack.drafters[0].runs
+    assert list(chat_run.eos_token_ids) == [tok.eos_token_id, tok.pad_token_id]
+    assert list(text_run.eos_token_ids) == [tok.eos_token_id]
+
+
+def test_grpc_chat_renders_the_template_and_continues(gw, tiny_tokenizer):
+    with gw.grpc() as client:
+        gen = client.generate(messages=CHAT, temperature=0.0, max_new_tokens=8, seed=0).wait()
+        session = client.get_session(gen.session_id, include_token_ids=True)
+        assert list(session.prompt_token_ids) == chat_ids(tiny_tokenizer, CHAT)
+        assert gen.started.input_length_tokens == len(session.prompt_token_ids)
+        more = client.generate(messages=[("user", "w8")], session_id=gen.session_id, max_new_tokens=4).wait()
+        after = client.get_session(gen.session_id, include_token_ids=True)
+    appended = tiny_tokenizer.encode("<bos> user w8 <eos> <bos> assistant", add_special_tokens=False)
+    committed = list(after.committed_token_ids)
+    assert committed[: len(session.committed_token_ids)] == list(session.committed_token_ids)
+    assert committed[len(session.committed_token_ids) :][: len(appended)] == appended
+    assert more.started.input_length_tokens == len(appended) and len(more.token_ids) <= 4
+
+
+def test_chat_without_a_template_is_invalid_argument(start_gateway, tiny_tokenizer):
+    plain = start_gateway(tokenizer=_without_template(tiny_tokenizer))
+    with plain.grpc() as client, pytest.raises(grpc.RpcError) as info:
+        client.generate(messages=CHAT, max_new_tokens=4).wait()
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "no chat template" in info.value.details()
+    with pytest.raises(openai.BadRequestError, match="no chat template"):
+        plain.openai().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w5"}])
+
+
+# ---------------------------------------------------------------------------------------------
+# The HTTP API: the same text as gRPC
+
+
+def test_models(gw):
+    assert [m.id for m in gw.openai().models.list().data] == [MODEL]
+
+
+def _completion_text(client: openai.OpenAI, stream: bool, **kwargs) -> tuple[str, str, object, str]:
+    """(text, finish_reason, usage, session id) of a completion, streamed or not."""
+    if not stream:
+        out = client.completions.create(model=MODEL, **kwargs)
+        return out.choices[0].text, out.choices[0].finish_reason, out.usage, out.session_id
+    chunks = list(client.completions.create(model=MODEL, stream=True, stream_options={"include_usage": True}, **kwargs))
+    assert chunks[-1].choices == [] and all(c.usage is None for c in chunks[:-1])
+    finish = [c.choices[0].finish_reason for c in chunks[:-1]]
+    assert finish[-1] is not None and not any(finish[:-1])
+    return "".join(c.choices[0].text for c in chunks[:-1]), finish[-1], chunks[-1].usage, chunks[0].session_id
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_equals_grpc_and_is_reproducible(gw, stream):
+    kwargs = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0.8, "seed": 11}
+    text, finish, token_usage, session_id = _completion_text(gw.openai(), stream, extra_body=RSD_C, **kwargs)
+    again, *_ = _completion_text(gw.openai(), stream, extra_body=RSD_C, **kwargs)
+    with gw.grpc() as client:
+        ref = client.generate(PROMPT, temperature=0.8, seed=11, max_new_tokens=16, **RSD_C).wait()
+        session = client.get_session(session_id)
+    assert text == again == ref.text and text.strip()
+    assert finish == FINISH[ref.finished.reason]
+    assert (token_usage.prompt_tokens, token_usage.completion_tokens) == (4, len(ref.token_ids))
+    assert token_usage.total_tokens == 4 + len(ref.token_ids)
+    assert session.params.method.name == "rsd_c" and session.params.seed == 11
+    assert session.committed_length_tokens == 4 + len(ref.token_ids)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_completion_equals_grpc_chat(gw, tiny_tokenizer, stream):
+    messages = [{"role": r, "content": c} for r, c in CHAT]
+    kwargs = {"model": MODEL, "messages": messages, "max_completion_tokens": 12, "temperature": 0.7, "seed": 5}
+    client = gw.openai()
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        text = "".join(c.choices[0].delta.content or "" for c in chunks[:-1])
+        finish, token_usage = chunks[-2].choices[0].finish_reason, chunks[-1].usage
+    else:
+        out = client.chat.completions.create(**kwargs)
+        assert out.object == "chat.completion" and out.choices[0].message.role == "assistant"
+        text, finish, token_usage = out.choices[0].message.content, out.choices[0].finish_reason, out.usage
+    with gw.grpc() as grpc_client:
+        ref = grpc_client.generate(messages=CHAT, temperature=0.7, seed=5, max_new_tokens=12).wait()
+    assert text == ref.text and finish == FINISH[ref.finished.reason]
+    assert token_usage.prompt_tokens == len(chat_ids(tiny_tokenizer, CHAT))
+    assert token_usage.completion_tokens == len(ref.token_ids)
+
+
+def test_stop_sequences(gw):
+    client = gw.openai()
+    full, *_ = _completion_text(client, False, prompt=PROMPT, max_tokens=16, temperature=0.0)
+    stop = full.split()[3]  # a word the greedy text reaches
+    for stream in (False, True):
+        text, finish, *_ = _completion_text(client, stream, prompt=PROMPT, max_tokens=16, temperature=0.0, stop=stop)
+        assert text == full[: full.index(stop)] and finish == "stop"
+
+
+def test_token_id_prompt_and_session_continuation(gw, tiny_tokenizer):
+    client = gw.openai()
+    ids = tiny_tokenizer.encode(PROMPT, add_special_tokens=False)
+    first = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0.0)
+    text, *_ = _completion_text(client, False, prompt=PROMPT, max_tokens=6, temperature=0.0)
+    assert first.choices[0].text == text
+    more = client.completions.create(
+        model=MODEL, prompt="w40", max_tokens=5, extra_body={"session_id": first.session_id}
+    )
+    assert more.session_id == first.session_id and more.usage.prompt_tokens == 1
+    session = wait_until_done(gw, first.session_id)
+    assert session.committed_length_tokens == 4 + 6 + 1 + more.usage.completion_tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+
+
+def test_auth_failures_are_401(gw):
+    with pytest.raises(openai.AuthenticationError, match="invalid token"):
+        gw.openai(api_key="wrong").completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+    reply = httpx.post(f"{gw.base_url}/completions", json={"model": MODEL, "prompt": PROMPT}, timeout=60)
+    assert reply.status_code == 401 and "authorization" in reply.json()["error"]["message"]
+    assert reply.json()["error"]["code"] == "invalid_api_key"
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"n": 2}, "only 1"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"max_tokens": 100_000}, "max_new_tokens"),
+        ({"prompt": ["w1", "w2"]}, "one prompt per request"),
+        ({"prompt": ""}, "must not be empty"),
+        ({"logprobs": 2}, "logprobs"),
+        ({"bogus": 1}, "bogus"),
+        ({"method": "beam"}, "unknown method"),
+        ({"session_id": "no-such-session"}, "no-such-session"),
+    ],
+)
+def test_bad_parameters_are_400_with_the_reason(gw, change, reason):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, **change}
+    reply = httpx.post(
+        f"{gw.base_url}/completions", json=body, headers={"authorization": f"Bearer {TOKEN}"}, timeout=60
+    )
+    expected = 404 if "session_id" in change else 400
+    assert reply.status_code == expected, reply.text
+    error = reply.json()["error"]
+    assert reason in error["message"] and set(error) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("path", ["completions", "chat/completions"])
+def test_over_the_context_length_is_400_context_length_exceeded(gw, path, stream):
+    """prompt + max_tokens + the draft tree over the services' max_len (2048, from the registry): 400 with
+    OpenAI's code context_length_exceeded, `stream: true` too: the answer is the error, not a 200 whose
+    stream then fails. The official client raises BadRequestError with that code."""
+    prompt = {"prompt": PROMPT} if path == "completions" else {"messages": [{"role": r, "content": c} for r, c in CHAT]}
+    body = {"model": MODEL, "max_tokens": 2040, "stream": stream, "method": "sd", "shape": "4", **prompt}
+    headers = {"authorization": f"Bearer {TOKEN}"}
+    reply = httpx.post(f"{gw.base_url}/{path}", json=body, headers=headers, timeout=60)
+    assert reply.status_code == 400 and reply.headers["content-type"] == "application/json", reply.text
+    error = reply.json()["error"]
+    assert (error["code"], error["type"]) == ("context_length_exceeded", "invalid_request_error")
+    assert "maximum context length is 2048 tokens" in error["message"] and "2040 max_new_tokens" in error["message"]
+    client = gw.openai()
+    create = client.completions.create if path == "completions" else client.chat.completions.create
+    with pytest.raises(openai.BadRequestError) as info:
+        create(max_tokens=2040, stream=stream, model=MODEL, extra_body={"method": "sd", "shape": "4"}, **prompt)
+    assert info.value.code == "context_length_exceeded"
+
+
+def test_unknown_model_is_404(gw):
+    with pytest.raises(openai.NotFoundError) as info:
+        gw.openai().chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "w5"}])
+    assert info.value.code == "model_not_found"
+
+
+@pytest.mark.parametrize("limit", ["max_running_turns", "max_concurrent_rpcs"])
+def test_no_capacity_is_429(start_gateway, limit):
+    small = start_gateway(**{limit: 1})
+    client = small.openai()
+    with client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2000, temperature=0.0, stream=True) as s:
+        first = next(iter(s))
+        with pytest.raises(openai.RateLimitError, match=limit):
+            client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+    assert wait_until_done(small, first.session_id).status == gateway_pb2.SESSION_STATUS_CANCELLED
+
+
+def test_body_over_max_message_bytes_is_413(start_gateway):
+    small = start_gateway(max_message_bytes=4096)
+    body = {"model": MODEL, "prompt": "w1 " * 2000, "max_tokens": 2}
+    headers = {"authorization": f"Bearer {TOKEN}"}
+    reply = httpx.post(f"{small.base_url}/completions", json=body, headers=headers, timeout=60)
+    assert reply.status_code == 413 and "4096" in reply.json()["error"]["message"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Disconnects cancel the turn; nothing committed is lost
+
+
+def _assert_cancelled_and_intact(gw: Gateway, session_id: str, prompt_len: int, streamed_text: str) -> None:
+    session = wait_until_done(gw, session_id)
+    assert session.status == gateway_pb2.SESSION_STATUS_CANCELLED
+    generated = list(session.committed_token_ids)[prompt_len:]
+    assert 0 < len(generated) < 2000
+    with gw.grpc() as client:  # the same request run to that length gives exactly the committed tokens
+        prompt_ids = list(session.committed_token_ids)[:prompt_len]
+        ref = client.generate(token_ids=prompt_ids, temperature=0.0, max_new_tokens=len(generated)).wait()
+        replay = client.generate(session_id=session_id, resume_from_position=prompt_len).wait()
+    assert ref.token_ids == generated == replay.token_ids
+    assert replay.text.startswith(streamed_text)
+
+
+def test_stream_disconnect_cancels_the_turn(gw):
+    client = gw.openai()
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "w5 w6"}],
+        max_tokens=2000,
+        temperature=0.0,
+        stream=True,
+    )
+    chunks = [next(iter(stream)) for _ in range(3)]
+    stream.close()
+    session_id = chunks[0].session_id
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    prompt_len = wait_until_done(gw, session_id).prompt_length_tokens
+    _assert_cancelled_and_intact(gw, session_id, prompt_len, text)
+
+
+def test_waiting_client_disconnect_cancels_the_turn(gw):
+    client = gw.openai()
+    first = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0.0)
+    body = {"model": MODEL, "prompt": "w9", "max_tokens": 2000, "temperature": 0.0, "session_id": first.session_id}
+    headers = {"authorization": f"Bearer {TOKEN}"}
+    # The client gives up long before 2000 tokens are generated (the read timeout only ends the wait).
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{gw.base_url}/completions", json=body, headers=headers, timeout=httpx.Timeout(60, read=1.0))
+    _assert_cancelled_and_intact(gw, first.session_id, 4 + 1 + 1, "")
+
+
+def test_request_ids_are_echoed(gw):
+    headers = {"authorization": f"Bearer {TOKEN}", "x-request-id": "my-call-7"}
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
+    reply = httpx.post(f"{gw.base_url}/completions", json=body, headers=headers, timeout=60)
+    assert reply.headers["x-request-id"] == "my-call-7" and reply.json()["id"] == "cmpl-my-call-7"
+    anonymous = httpx.post(f"{gw.base_url}/completions", json=body, headers=headers | {"x-request-id": ""}, timeout=60)
+    assert anonymous.json()["id"] == f"cmpl-{anonymous.headers['x-request-id']}" != "cmpl-"
+
+
+def test_https_with_client_certificates(start_gateway, tmp_path_factory):
+    pki = make_pki(tmp_path_factory.mktemp("pki"))
+    secure = start_gateway(tls_cert=pki["server"], tls_key=pki["server_key"], tls_ca=pki["ca"])
+    assert secure.base_url.startswith("https://127.0.0.1:")
+    trusted = ssl.create_default_context(cafile=pki["ca"])
+    trusted.load_cert_chain(pki["client"], pki["client_key"])
+    client = openai.OpenAI(
+        base_url=secure.base_url, api_key=TOKEN, max_retries=0, http_client=httpx.Client(verify=trusted)
+    )
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    no_certificate = httpx.Client(verify=ssl.create_default_context(cafile=pki["ca"]))
+    with pytest.raises(openai.APIConnectionError):
+        openai.OpenAI(base_url=secure.base_url, api_key=TOKEN, max_retries=0, http_client=no_certificate).models.list()
+
+
+def test_http_calls_share_the_gateway_metrics(gw):
+    text = generate_latest(gw.handle.metrics.registry).decode()
+    assert 'rsd_gateway_requests_total{code="OK",method="/v1/completions"}' in text
+    assert 'rsd_gateway_requests_total{code="UNAUTHENTICATED",method="/v1/completions"}' in text
+    assert 'rsd_gateway_generated_tokens_total{method="rsd_c"}' in text

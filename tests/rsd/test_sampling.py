@@ -1,0 +1,122 @@
+"""rsd.sampling: the transforms (temperature, top-k, top-p), the proposal laws, supports and the samplers."""
+
+import pytest
+import torch
+
+from rsd.random import Draw, StepRandom, Stream
+from rsd.sampling import (
+    SamplingParams,
+    gumbel_top_k,
+    logits_to_probs,
+    nonzero_ids,
+    proposal_probs,
+    sample,
+    support,
+    top_k_indices,
+    truncate,
+)
+
+
+def test_truncate_top_k_top_p():
+    probs = torch.tensor([0.1, 0.4, 0.2, 0.3])
+    assert torch.allclose(truncate(probs, top_k=2), torch.tensor([0, 4 / 7, 0, 3 / 7]))
+    assert torch.allclose(truncate(probs, top_p=0.7), torch.tensor([0, 4 / 7, 0, 3 / 7]))
+    assert torch.allclose(truncate(probs, top_p=0.71), torch.tensor([0, 4 / 9, 2 / 9, 3 / 9]))
+    assert torch.equal(truncate(probs, top_p=0.01), torch.tensor([0.0, 1, 0, 0]))
+
+
+def _logits(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=g) * 3  # [F, V]
+    logits[0, vocab // 3 :] = float("-inf")  # a pruned draft head (rsd_runtime.models.PrunedLMHead)
+    logits[1, 7] = logits[1, 9] = logits[1].max() + 1  # a tie at the top
+    return logits
+
+
+@pytest.mark.parametrize("vocab", [1000, 40_000, 151_936, 151_937])
+@pytest.mark.parametrize("k", [1, 5, 256])
+def test_top_k_indices_is_the_top_k_set(vocab, k):
+    logits = _logits(4, vocab)
+    fast = top_k_indices(logits, k)
+    assert fast.shape == (4, k)
+    want = torch.topk(logits, k, dim=-1).values
+    assert torch.equal(logits.gather(-1, fast), want)  # the same k values, largest first
+    assert all(len(set(row)) == k for row in fast.tolist())
+
+
+@pytest.mark.parametrize(
+    "params, top_k, top_p",
+    [
+        (SamplingParams(1.0), 256, 1.0),
+        (SamplingParams(0.6, top_k=40), 256, 1.0),
+        (SamplingParams(1.3, top_k=500), 256, 1.0),
+        (SamplingParams(0.7), 0, 1.0),  # no truncation: the softmax
+        (SamplingParams(1.0, top_p=0.9), 256, 1.0),  # top-p: the general path
+        (SamplingParams(1.0), 256, 0.95),
+        (SamplingParams(0.0), 256, 1.0),  # greedy: one-hot
+    ],
+)
+def test_proposal_probs_is_the_truncated_law(params, top_k, top_p):
+    logits = _logits(5, 151_936)
+    want = truncate(logits_to_probs(logits, params), top_k, top_p)
+    got = proposal_probs(logits, params, top_k, top_p)
+    assert got.dtype == want.dtype == torch.float32
+    assert torch.allclose(got, want, atol=1e-6, rtol=0)
+    assert torch.equal(got > 0, want > 0)  # the same support: ties at the cut aside, none here
+    assert torch.allclose(got.sum(-1), torch.ones(5), atol=1e-4)  # the wire's float32 tolerance
+
+
+def test_support_and_nonzero_ids_of_sparse_and_dense_rows():
+    probs = proposal_probs(_logits(4, 151_937), SamplingParams(1.0), 256)  # [4, V], 256 positives a row
+    probs[2] = 0.0
+    probs[2, [3, 151_936]] = 0.5  # a short support, one entry in the tail past the last full block
+    values, ids = support(probs)
+    top = torch.topk(probs, 256, dim=-1)
+    assert torch.equal(values, top.values) and torch.equal(probs.gather(-1, ids), values)
+    assert set(ids[2, :2].tolist()) == {3, 151_936} and values[2, 2:].eq(0).all()
+    assert [t.tolist() for t in nonzero_ids(probs)] == [row.nonzero().flatten().tolist() for row in probs]
+    dense = torch.softmax(_logits(3, 500).clamp_min(-50), -1)  # every entry positive: itself, no ids
+    assert support(dense)[1] is None and torch.equal(support(dense)[0], dense)
+    bad = probs.clone()
+    bad[1, 5], bad[3, 9] = -0.1, float("nan")  # nonzero too: found, for the caller to refuse
+    assert [t.tolist() for t in nonzero_ids(bad)] == [row.nonzero().flatten().tolist() for row in bad]
+
+
+def test_logits_to_probs_temperature_and_greedy():
+    logits = torch.tensor([[1.0, 3.0, 2.0]])
+    assert logits_to_probs(logits, SamplingParams(temperature=0)).tolist() == [[0, 1, 0]]
+    hot = logits_to_probs(logits, SamplingParams(temperature=2.0))
+    assert torch.allclose(hot, torch.softmax(logits / 2, -1))
+    with pytest.raises(ValueError):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError):
+        SamplingParams(top_p=0)
+
+
+def test_sample_and_gumbel_top_k_respect_support():
+    rng = StepRandom(0, Stream.DRAFT, 0)
+    probs = torch.tensor([[0.0, 0.5, 0.5, 0.0]]).expand(200, -1)
+    assert set(sample(probs, rng.uniform(Draw.IID, 0, torch.arange(200))).tolist()) == {1, 2}
+    ids, valid = gumbel_top_k(probs[:1], 3, rng, torch.tensor([0]))
+    assert valid.tolist() == [[True, True, False]] and set(ids[0, :2].tolist()) == {1, 2}
+
+
+def test_sample_inverts_the_cumulative_law():
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0]], dtype=torch.float64).expand(6, -1)
+    u = torch.tensor([1e-16, 0.2499, 0.2501, 0.9, 1 - 2**-53, 1.0], dtype=torch.float64)  # 1.0: u * mass rounding up
+    assert sample(probs, u).tolist() == [1, 1, 3, 3, 3, 3]  # never a zero-probability id
+    with pytest.raises(ValueError, match="one uniform per row"):
+        sample(probs, u[:2])
+
+
+@pytest.mark.parametrize(
+    "row",
+    [[0.0, 0.0, 0.0, 0.0], [0.5, float("nan"), 0.5, 0.0], [0.5, float("inf"), 0.0, 0.0], [1.5, -0.5, 0.0, 0.0]],
+)
+def test_samplers_refuse_a_row_that_is_not_a_law(row):
+    """argmax over an all-zero or NaN row would silently return token 0."""
+    probs = torch.tensor([[0.25, 0.25, 0.25, 0.25], row])
+    with pytest.raises(ValueError, match=r"row 1 of \(2,\)\) is not a law"):
+        sample(probs, torch.full((2,), 0.5, dtype=torch.float64))
+    with pytest.raises(ValueError, match="not a law"):
+        gumbel_top_k(probs, 2, StepRandom(0, Stream.DRAFT, 0), torch.tensor([0, 1]))

@@ -1,0 +1,129 @@
+"""Statistical checks of the sampling code itself, with fixed seeds and firm thresholds.
+
+test_exact.py proves the rules against the *enumerated* tree laws; here the drafting code must
+produce trees with exactly those laws, and whole pipelines (draft + verify) must emit text with the
+target's law. Pearson chi-square; a correct sampler fails with probability 1e-4 per test, and the
+negative control must land far below.
+"""
+
+import pytest
+import torch
+
+from rsd.acceptance import RULES, verify
+from rsd.drafting import DraftMode, draft_sbs, draft_spectr, draft_tree
+from rsd.random import StepRandom, Stream
+from tests.fixtures import toy
+
+WOR, IID = DraftMode.WITHOUT_REPLACEMENT, DraftMode.IID
+
+V = 4
+P_MIN = 1e-4
+STOP = 0.3  # confidence stop, as in test_exact.py
+
+
+def chi_square_pvalue(counts: dict, law: dict, n: int) -> float:
+    """Pearson chi-square p-value of observed counts against law (cells with tiny mass pooled)."""
+    keys = sorted(set(law) | set(counts), key=lambda k: -law.get(k, 0.0))
+    stat, pooled_obs, pooled_exp, dof = 0.0, 0.0, 0.0, -1
+    for k in keys:
+        expected, observed = n * law.get(k, 0.0), counts.get(k, 0)
+        if expected < 5:
+            if expected == 0 and observed > 0:
+                return 0.0  # an impossible outcome happened
+            pooled_obs, pooled_exp = pooled_obs + observed, pooled_exp + expected
+            continue
+        stat += (observed - expected) ** 2 / expected
+        dof += 1
+    if pooled_exp > 0:
+        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
+        dof += 1
+    dof = max(dof, 1)
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2)))
+
+
+def _key(tree):
+    return (tuple(tree.token_ids.tolist()), tuple(tree.parent_idx.tolist()))
+
+
+DRAFTERS = {
+    "rsd_c_2x2": (
+        lambda p, g: draft_tree(toy.TableProposal(p), 0, [2, 2], WOR, g),
+        lambda p: toy.branching_tree_law(p, V, [2, 2], WOR),
+    ),
+    "specinfer_2x1": (
+        lambda p, g: draft_tree(toy.TableProposal(p), 0, [2, 1], IID, g),
+        lambda p: toy.branching_tree_law(p, V, [2, 1], IID),
+    ),
+    "spectr_k2_l2": (
+        lambda p, g: draft_spectr(toy.TableProposal(p), 0, 2, 2, g),
+        lambda p: toy.branching_tree_law(p, V, [2, 1], IID),
+    ),
+    "rsd_s_w2_l2": (
+        lambda p, g: draft_sbs(toy.TableProposal(p), 0, 2, 2, g),
+        lambda p: toy.sbs_tree_law(p, V, 2, 2),
+    ),
+    # the confidence stop: the code's trees follow the cut laws that test_exact.py proves exact
+    "rsd_c_2x1x1_stop": (
+        lambda p, g: draft_tree(toy.TableProposal(p), 0, [2, 1, 1], WOR, g, stop_below=STOP),
+        lambda p: toy.confidence_cut(toy.branching_tree_law(p, V, [2, 1, 1], WOR), STOP, "node"),
+    ),
+    "spectr_k2_l3_stop": (
+        lambda p, g: draft_spectr(toy.TableProposal(p), 0, 2, 3, g, stop_below=STOP),
+        lambda p: toy.confidence_cut(toy.branching_tree_law(p, V, [2, 1, 1], IID), STOP, "node"),
+    ),
+    "rsd_s_w2_l3_stop": (
+        lambda p, g: draft_sbs(toy.TableProposal(p), 0, 2, 3, g, stop_below=STOP),
+        lambda p: toy.confidence_cut(toy.sbs_tree_law(p, V, 2, 3), STOP, "level"),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_drafted_trees_follow_the_enumerated_law(name):
+    sample_tree, tree_law = DRAFTERS[name]
+    draft = toy.random_table(21, V)
+    law = {}
+    for t, p in tree_law(draft):  # several full trees can share a cut
+        law[_key(t)] = law.get(_key(t), 0.0) + p
+    n, counts = 6000, {}
+    for i in range(n):  # trial i draws at root position i: fresh counters, as successive steps are
+        k = _key(sample_tree(draft, StepRandom(0, Stream.DRAFT, i)))
+        counts[k] = counts.get(k, 0) + 1
+    assert chi_square_pvalue(counts, law, n) > P_MIN
+
+
+PIPELINES = {  # drafter, rule, depth
+    "rsd_c_2x2": (lambda p, g: draft_tree(toy.TableProposal(p), 0, [2, 2], WOR, g), "rrs", 2),
+    "rsd_s_w3_l2": (lambda p, g: draft_sbs(toy.TableProposal(p), 0, 3, 2, g), "rrs", 2),
+    "specinfer_2x2": (lambda p, g: draft_tree(toy.TableProposal(p), 0, [2, 2], IID, g), "rrs_with_replacement", 2),
+    "spectr_k3_l2": (lambda p, g: draft_spectr(toy.TableProposal(p), 0, 3, 2, g), "kseq", 2),
+}
+
+
+def _emitted_counts(drafter, rule, depth, draft, target, n, seed):
+    g, counts = torch.Generator().manual_seed(seed), {}  # g: the test's own finishing draws
+    for i in range(n):
+        tree = drafter(draft, StepRandom(seed, Stream.DRAFT, i))
+        rng = StepRandom(seed, Stream.VERIFY, i)
+        tokens = tuple(verify(tree, toy.target_probs_for(tree, target), RULES[rule], rng).token_ids)
+        while len(tokens) < depth + 1:  # finish with plain target sampling, as the exact test does
+            tokens += (int(torch.multinomial(target(tokens), 1, generator=g)),)
+        counts[tokens[: depth + 1]] = counts.get(tokens[: depth + 1], 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("name", PIPELINES)
+def test_pipeline_output_follows_target(name):
+    drafter, rule, depth = PIPELINES[name]
+    draft, target = toy.random_table(31, V), toy.random_table(32, V)
+    n = 6000
+    counts = _emitted_counts(drafter, rule, depth, draft, target, n, seed=1)
+    assert chi_square_pvalue(counts, toy.extend((), target, depth + 1), n) > P_MIN
+
+
+def test_pipeline_negative_control_wrong_rule_is_detected():
+    drafter, _, depth = PIPELINES["rsd_c_2x2"]
+    draft, target = toy.random_table(31, V), toy.random_table(32, V)
+    n = 6000
+    counts = _emitted_counts(drafter, "rrs_with_replacement", depth, draft, target, n, seed=1)
+    assert chi_square_pvalue(counts, toy.extend((), target, depth + 1), n) < 1e-8

@@ -1,0 +1,206 @@
+"""The in-process generator on tiny real transformers models.
+
+Greedy: every method's output is token for token the target's own greedy output (reference: the
+target's plain full-sequence forward, no cache, no runner). Sampling: on a pair with an 8-token
+vocabulary the first two generated tokens follow the target's exact law (chi-square).
+"""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+
+from rsd.methods import Method
+from rsd.random import StepRandom, Stream
+from rsd.sampling import SamplingParams
+from rsd_runtime.generator import Finish, SpeculativeGenerator, cut_step, finishes
+from rsd_runtime.kvcache import common_prefix_length
+from rsd_runtime.models import load_model
+from rsd_runtime.runner import ModelRunner
+from rsd_tools.tiny import build_tiny_pair, build_tiny_vocab_pair
+from tests.rsd.test_statistical import chi_square_pvalue
+
+GREEDY_METHODS = [
+    ("sd", "4"),
+    ("specinfer", "2,2"),
+    ("spectr", "3x3"),
+    ("rsd_c", "2,2,2"),
+    ("rsd_c", "3,1"),
+    ("rsd_s", "3x4"),
+    ("rsd_s", "2x2"),
+    ("rsd_s", "3x6@0.3"),  # confidence stop
+    ("sd", "8@0.4"),
+]
+PROMPTS = [[2, 10, 11, 12], [2, 50], [2, 7, 7, 7, 7, 30, 31]]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def pair(request, tmp_path_factory):
+    draft_dir, target_dir = build_tiny_pair(tmp_path_factory.mktemp("tiny"), request.param)
+    return load_model(draft_dir), load_model(target_dir)
+
+
+@torch.inference_mode()
+def target_greedy(model, prompt: list[int], n: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+def test_autoregressive_greedy_matches_target(pair):
+    _, target = pair
+    gen = SpeculativeGenerator(ModelRunner(target, 256))
+    for prompt in PROMPTS:
+        out = gen.generate(prompt, None, SamplingParams(temperature=0), max_new_tokens=12)
+        assert out.token_ids == target_greedy(target, prompt, 12)
+        assert out.stats.target_calls == 12
+
+
+@pytest.mark.parametrize(("name", "shape"), GREEDY_METHODS)
+def test_every_method_is_target_greedy_at_temperature_zero(pair, name, shape):
+    draft, target = pair
+    gen = SpeculativeGenerator(ModelRunner(target, 256), ModelRunner(draft, 256))
+    for prompt in PROMPTS:
+        out = gen.generate(prompt, Method.parse(name, shape), SamplingParams(temperature=0), max_new_tokens=20)
+        assert out.token_ids == target_greedy(target, prompt, 20)
+        assert out.stats.new_tokens == 20
+        assert out.stats.block_efficiency > 1.0  # the draft is a noisy copy: speculation must pay
+
+
+def test_stops_at_eos_and_respects_max_new_tokens(pair):
+    draft, target = pair
+    gen = SpeculativeGenerator(ModelRunner(target, 256), ModelRunner(draft, 256))
+    ref = target_greedy(target, PROMPTS[0], 10)
+    eos = ref[4]
+    out = gen.generate(PROMPTS[0], Method.parse("rsd_c", "2,2"), SamplingParams(0), 10, eos_token_ids=(eos,))
+    assert out.token_ids == ref[: ref.index(eos) + 1]
+    out = gen.generate(PROMPTS[0], Method.parse("rsd_c", "2,2,2"), SamplingParams(0), max_new_tokens=3)
+    assert out.token_ids == ref[:3]
+
+
+def test_same_seed_same_output_and_stats_add_up(pair):
+    draft, target = pair
+    gen = SpeculativeGenerator(ModelRunner(target, 256), ModelRunner(draft, 256))
+    method, params = Method.parse("rsd_s", "3x3"), SamplingParams(temperature=0.8, top_p=0.95)
+    a = gen.generate(PROMPTS[1], method, params, max_new_tokens=16, seed=7)
+    b = gen.generate(PROMPTS[1], method, params, max_new_tokens=16, seed=7)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 16
+    s = a.stats
+    assert sum(s.accepted_by_depth) + s.target_calls >= s.new_tokens
+    assert all(0 <= r <= 1 for r in s.acceptance_by_depth)
+
+
+def test_rejects_mismatched_vocabularies(tmp_path):
+    _, small = build_tiny_pair(tmp_path, "llama", vocab_size=64)
+    _, big = build_tiny_pair(tmp_path, "llama", vocab_size=128)
+    with pytest.raises(ValueError, match="vocabulary"):
+        SpeculativeGenerator(ModelRunner(load_model(big)), ModelRunner(load_model(small)))
+
+
+# ---- sampling follows the target ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab_pair(tmp_path_factory):
+    draft_dir, target_dir = build_tiny_vocab_pair(tmp_path_factory.mktemp("tinyv"), vocab_size=8)
+    return load_model(draft_dir), load_model(target_dir)
+
+
+@torch.inference_mode()
+def target_law_two_tokens(model, prompt: list[int], params: SamplingParams) -> dict:
+    from rsd.sampling import logits_to_probs
+
+    law = {}
+    q1 = logits_to_probs(model(torch.tensor([prompt])).logits[0, -1], params).double()
+    for a in q1.nonzero().flatten().tolist():
+        q2 = logits_to_probs(model(torch.tensor([[*prompt, a]])).logits[0, -1], params).double()
+        for b in q2.nonzero().flatten().tolist():
+            law[(a, b)] = float(q1[a] * q2[b])
+    return law
+
+
+@pytest.mark.parametrize(
+    ("name", "shape", "params"),
+    [
+        ("rsd_c", "2,2", SamplingParams(temperature=1.0)),
+        ("rsd_s", "3x2", SamplingParams(temperature=0.7, top_k=6)),
+        ("spectr", "2x2", SamplingParams(temperature=1.0, top_p=0.9)),
+        ("rsd_s", "3x2@0.3", SamplingParams(temperature=1.0)),
+    ],
+)
+def test_first_tokens_follow_target_law(tiny_vocab_pair, name, shape, params):
+    draft, target = tiny_vocab_pair
+    gen = SpeculativeGenerator(ModelRunner(target, 64), ModelRunner(draft, 64))
+    prompt, n, counts = [2, 5, 6], 1500, {}
+    for seed in range(n):
+        out = gen.generate(prompt, Method.parse(name, shape), params, max_new_tokens=2, seed=seed)
+        key = tuple(out.token_ids)
+        counts[key] = counts.get(key, 0) + 1
+    assert chi_square_pvalue(counts, target_law_two_tokens(target, prompt, params), n) > 1e-4
+
+
+def test_small_batch_linear_keeps_greedy_output(pair):
+    """weight @ x.T instead of F.linear changes only float rounding: the tree logits stay within the
+    runner's tolerance and greedy speculative output is still the target's own."""
+    from rsd_runtime.linear import plain_linear, use_small_batch_linear
+
+    draft, target = pair
+    prompt = PROMPTS[0]
+    expected = target_greedy(target, prompt, 12)
+    plain = ModelRunner(target, 256)
+    plain.forward(torch.tensor(prompt), torch.tensor(list(range(-1, len(prompt) - 1))))
+    before = plain.forward(torch.tensor([40, 41]), torch.tensor([-1, -1]))
+    assert use_small_batch_linear(target, max_rows=64) > 0 and use_small_batch_linear(draft, max_rows=64) > 0
+    try:
+        fast = ModelRunner(target, 256)
+        fast.forward(torch.tensor(prompt), torch.tensor(list(range(-1, len(prompt) - 1))))
+        after = fast.forward(torch.tensor([40, 41]), torch.tensor([-1, -1]))
+        assert (after - before).abs().max() < 1e-4
+        gen = SpeculativeGenerator(ModelRunner(target, 256), ModelRunner(draft, 256))
+        out = gen.generate(prompt, Method.parse("rsd_s", "3x3"), SamplingParams(0), max_new_tokens=12)
+        assert out.token_ids == expected
+    finally:
+        for model in (target, draft):
+            plain_linear(model)  # nn.Linear again for the other tests
+
+
+def test_pruned_draft_vocabulary_stays_exact(tmp_path):
+    """A drafter that scores only the first K ids proposes only them (law 0 elsewhere), and
+    verification with that law keeps greedy output the target's own and T > 0 on the target's law."""
+    from rsd_runtime.models import prune_draft_vocab
+
+    draft_dir, target_dir = build_tiny_pair(tmp_path, "qwen2")
+    draft, target = load_model(draft_dir), load_model(target_dir)
+    prune_draft_vocab(draft, 100)  # of 256
+    assert draft.get_input_embeddings().weight.shape[0] == 256  # the embeddings keep every id
+    runner = ModelRunner(draft, 256)
+    logits = runner.forward(torch.tensor(PROMPTS[2]), torch.tensor(list(range(-1, len(PROMPTS[2]) - 1))))
+    assert logits.shape[-1] == 256 and torch.isinf(logits[:, 100:]).all() and torch.isfinite(logits[:, :100]).all()
+    gen = SpeculativeGenerator(ModelRunner(target, 256), ModelRunner(draft, 256))
+    for prompt in PROMPTS:
+        out = gen.generate(prompt, Method.parse("rsd_c", "3,2,1"), SamplingParams(0), max_new_tokens=10)
+        assert out.token_ids == target_greedy(target, prompt, 10)
+    gen.drafter.runner.reset()
+    tree = gen.drafter.draft(
+        PROMPTS[0], Method.parse("rsd_s", "3x3"), SamplingParams(1.0), StepRandom(0, Stream.DRAFT, 0)
+    )
+    assert (tree.draft_probs[:, 100:] == 0).all() and (tree.token_ids[1:] < 100).all()
+
+
+def test_cut_step_budget_and_eos():
+    """One cut for the in-process loop and the drafter service: at the budget, after the first EOS."""
+    assert cut_step([5, 6, 7], 5, {9}) == ([5, 6, 7], None)
+    assert cut_step([5, 6, 7], 2, {9}) == ([5, 6], Finish.LENGTH)
+    assert cut_step([5, 9, 7], 5, {9}) == ([5, 9], Finish.EOS)
+    assert cut_step([5, 9], 2, {9}) == ([5, 9], Finish.EOS)  # EOS wins over a budget it also spends
+    assert cut_step([5, 6, 9], 2, {9}) == ([5, 6], Finish.LENGTH)  # an EOS past the budget is never committed
+    assert [finishes(t, 3, (9,)) for t in ([5], [5, 9], [5, 6, 7, 8])] == [False, True, True]
+
+
+def test_common_prefix_length():
+    assert common_prefix_length([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert common_prefix_length([1, 2], [1, 2, 3]) == 2
+    assert common_prefix_length([], [1]) == 0
