@@ -4,7 +4,7 @@
 
 Services are named in `drafters` / `verifiers` as comma lists of `id=host:port` (the id must be the
 one the service itself reports, e.g. its --verifier-id). When both lists are empty the gateway reads
-the live services from the registry in Redis (gateway.store: register_service / list_services).
+the live services from the registry in Redis (rsd_service.registry: register_service / list_services).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class GatewayConfig(PeerTLSConfig, ServiceConfig):
     # Limits of the public port: the largest message (requests are text or token ids, replies small
     # deltas); max_concurrent_rpcs counts resumes too.
     max_message_bytes: int = 4 * 1024 * 1024
-    # The OpenAI-compatible HTTP API (gateway.http_api) on host:http_port: -1 = off, 0 = a free port. It
+    # The OpenAI-compatible HTTP API (gateway.openai) on host:http_port: -1 = off, 0 = a free port. It
     # serves the same engine with the same auth token, TLS, limits and metrics as the gRPC API.
     http_port: int = -1
     served_model_name: str = ""  # the model id it answers to ("" = the tokenizer folder's name)

@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.config import GatewayConfig, parse_services
 from gateway.errors import Overloaded
-from gateway.session import SessionStore
+from gateway.store.session import SessionStore
 from rsd_service import security
 from rsd_service.registry import ServiceInfo
 from rsd_wire import drafter_pb2, drafter_pb2_grpc, verifier_pb2_grpc

@@ -1,17 +1,29 @@
-"""A Generate request before anything is stored: its checks (RequestError names the field) and its input as
-token ids (text, token ids or chat messages)."""
+"""A Generate request before anything is stored: its checks (RequestError names the field), its input as token ids
+(text, token ids or chat messages) and its params (defaults, merge, validation, the services' context length).
+Params are stored in the session as a JSON dict and travel as GenerationParams; sessions and finish reasons are
+converted for the wire here too."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gateway.chat import ChatTemplate
 from gateway.config import GatewayConfig
 from gateway.errors import ContextLengthExceeded, RequestError
-from rsd_service.registry import check_id
-from rsd_wire import gateway_pb2
+from gateway.store.session import SessionRecord, SessionStatus
+from rsd.methods import DEFAULT_SHAPES
+from rsd.sampling import SamplingParams
+from rsd_service.registry import ServiceInfo, check_id
+from rsd_wire import common_pb2, gateway_pb2
+from rsd_wire.convert import parse_method
 
 MAX_REQUEST_ID = 128
+MAX_STOP_CHARS = 256
+
+
+# ---------------------------------------------------------------------------------------------
+# The request and its input
 
 
 def check_session_id(session_id: str) -> None:
@@ -65,3 +77,145 @@ class InputReader:
             limit = self.config.max_prompt_tokens
             raise ContextLengthExceeded(f"input has {len(ids)} tokens, more than max_prompt_tokens {limit}")
         return ids
+
+
+# ---------------------------------------------------------------------------------------------
+# Params
+
+
+def default_params(config: GatewayConfig) -> dict[str, Any]:
+    return {
+        "temperature": config.default_temperature,
+        "top_k": 0,
+        "top_p": 1.0,
+        "method": config.default_method,
+        "shape": config.default_shape,
+        "max_new_tokens": config.default_max_new_tokens,
+        "stop_sequences": [],
+        "seed": None,
+    }
+
+
+def merge_params(base: Mapping[str, Any], msg: common_pb2.GenerationParams | None) -> dict[str, Any]:
+    """`base` with the fields present in `msg` replacing it (a new session's base is the defaults)."""
+    params = dict(base)
+    if msg is None:
+        return params
+    if msg.HasField("sampling"):
+        s = msg.sampling
+        if s.HasField("temperature"):
+            params["temperature"] = s.temperature
+        params["top_k"] = s.top_k
+        if s.HasField("top_p"):
+            params["top_p"] = s.top_p
+    if msg.HasField("method"):
+        name = msg.method.name or params["method"]
+        same = params["shape"] if name == params["method"] else DEFAULT_SHAPES.get(name, "")
+        shape = msg.method.shape or same
+        params["method"], params["shape"] = name, shape
+    if msg.max_new_tokens:
+        params["max_new_tokens"] = msg.max_new_tokens
+    if msg.stop_sequences:
+        params["stop_sequences"] = list(msg.stop_sequences)
+    if msg.HasField("seed"):
+        params["seed"] = msg.seed
+    return params
+
+
+def validate_params(params: Mapping[str, Any], config: GatewayConfig) -> None:
+    try:
+        SamplingParams(float(params["temperature"]), int(params["top_k"]), float(params["top_p"]))
+    except ValueError as e:
+        raise RequestError(f"params.sampling: {e}") from None
+    try:
+        parse_method(params["method"], params["shape"])
+    except ValueError as e:
+        raise RequestError(f"params.method: {e}") from None
+    if not 1 <= params["max_new_tokens"] <= config.max_new_tokens_limit:
+        raise RequestError(
+            f"params.max_new_tokens must be in [1, {config.max_new_tokens_limit}], got {params['max_new_tokens']}"
+        )
+    stops = params["stop_sequences"]
+    if len(stops) > config.max_stop_sequences:
+        raise RequestError(f"params.stop_sequences: at most {config.max_stop_sequences}, got {len(stops)}")
+    if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+        raise RequestError(f"params.stop_sequences: each must have 1..{MAX_STOP_CHARS} characters")
+
+
+def check_context_length(num_context: int, params: Mapping[str, Any], services: Sequence[ServiceInfo]) -> None:
+    """Refuse at the edge a turn the services would refuse mid-stream: its `num_context` tokens (committed
+    + input) + max_new_tokens + one draft tree (the method's nodes, node 0 included) over the smallest
+    max_len the services advertise (ServiceInfo.max_len; 0, not advertised, as in static lists: unchecked).
+    That is the drafter's own bound; the verifier needs at most as much. params: validated already."""
+    limits = [s for s in services if s.max_len > 0]
+    if not limits:
+        return
+    nodes = parse_method(params["method"], params["shape"]).max_draft_tokens + 1
+    max_new = int(params["max_new_tokens"])
+    need = num_context + max_new + nodes
+    smallest = min(limits, key=lambda s: (s.max_len, s.role))
+    if need > smallest.max_len:
+        raise ContextLengthExceeded(
+            f"this model's maximum context length is {smallest.max_len} tokens ({smallest.role} "
+            f"{smallest.service_id} max_len), but the turn needs {need}: {num_context} input and session tokens, "
+            f"{max_new} max_new_tokens and {nodes} draft tree nodes ({params['method']} {params['shape']})"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# On the wire: params, sessions, finish reasons
+
+STATUS_TO_PROTO = {
+    SessionStatus.PENDING: gateway_pb2.SESSION_STATUS_PENDING,
+    SessionStatus.RUNNING: gateway_pb2.SESSION_STATUS_RUNNING,
+    SessionStatus.FINISHED: gateway_pb2.SESSION_STATUS_FINISHED,
+    SessionStatus.CANCELLED: gateway_pb2.SESSION_STATUS_CANCELLED,
+    SessionStatus.FAILED: gateway_pb2.SESSION_STATUS_FAILED,
+}
+
+
+def finish_reason_name(reason: int) -> str:
+    """FINISH_REASON_EOS -> "eos": how the store keeps it (the store knows no protos)."""
+    return common_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
+
+
+def finish_reason_value(name: str) -> int:
+    """ "eos" -> FINISH_REASON_EOS; "" (not finished, or failed) -> FINISH_REASON_UNSPECIFIED."""
+    return common_pb2.FinishReason.Value(f"FINISH_REASON_{name.upper()}") if name else 0
+
+
+def params_to_proto(params: Mapping[str, Any]) -> common_pb2.GenerationParams:
+    msg = common_pb2.GenerationParams(
+        sampling=common_pb2.SamplingParams(
+            temperature=float(params["temperature"]), top_k=int(params["top_k"]), top_p=float(params["top_p"])
+        ),
+        method=common_pb2.Method(name=params["method"], shape=params["shape"]),
+        max_new_tokens=int(params["max_new_tokens"]),
+        stop_sequences=list(params["stop_sequences"]),
+    )
+    if params.get("seed") is not None:
+        msg.seed = int(params["seed"])
+    return msg
+
+
+def session_to_proto(record: SessionRecord, include_token_ids: bool) -> gateway_pb2.Session:
+    msg = gateway_pb2.Session(
+        session_id=record.session_id,
+        status=STATUS_TO_PROTO[record.status],
+        prompt_length_tokens=len(record.prompt_ids),
+        committed_length_tokens=record.committed_length,
+        drafter_id=record.drafter_id,
+        verifier_id=record.verifier_id,
+        kv_location=common_pb2.KvLocation(
+            verifier_id=record.kv.verifier_id, length_tokens=record.kv.length, epoch=record.kv.epoch
+        ),
+        created_unix_ms=record.created_unix_ms,
+        updated_unix_ms=record.updated_unix_ms,
+        last_finish_reason=finish_reason_value(record.finish_reason),
+    )
+    if record.params:
+        msg.params.CopyFrom(params_to_proto(record.params))
+    if include_token_ids:
+        msg.prompt_token_ids.extend(record.prompt_ids)
+        msg.committed_token_ids.extend(record.committed_ids)
+    return msg

@@ -20,9 +20,11 @@ import grpc
 
 from gateway.config import GatewayConfig
 from gateway.engine import GatewayEngine
-from gateway.http_api import HttpApiServer, start_http_api
+from gateway.openai.api import HttpApiServer, start_http_api
 from gateway.servicer import GatewayServicer
-from gateway.store import MemorySessionStore, RedisSessionStore, SessionStore
+from gateway.store.memory_store import MemorySessionStore
+from gateway.store.redis_store import RedisSessionStore
+from gateway.store.session import SessionStore
 from rsd_service.metrics import GatewayMetrics
 from rsd_service.placement import Placement, apply_placement
 from rsd_service.serving import load_config, serve_until_signal, setup_logging, start_service

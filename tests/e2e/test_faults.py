@@ -26,8 +26,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from gateway.engine import finish_reason_name
-from gateway.store import RedisSessionStore
+from gateway.requests import finish_reason_name
+from gateway.store.redis_store import RedisSessionStore
 from rsd_service.client import RsdClient
 from rsd_tools.launcher import (
     Cluster,

@@ -29,7 +29,7 @@ from drafter_service import server as drafter_server
 from drafter_service.config import DrafterConfig
 from gateway.config import GatewayConfig
 from gateway.server import create_server as create_gateway
-from gateway.store import MemorySessionStore
+from gateway.store.memory_store import MemorySessionStore
 from rsd.methods import Method
 from rsd.sampling import SamplingParams
 from rsd.tree import DraftTree

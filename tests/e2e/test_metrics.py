@@ -21,7 +21,7 @@ from drafter_service.config import DrafterConfig
 from drafter_service.server import create_server as create_drafter
 from gateway.config import GatewayConfig
 from gateway.server import create_server as create_gateway
-from gateway.store import MemorySessionStore
+from gateway.store.memory_store import MemorySessionStore
 from rsd_runtime.models import load_model
 from rsd_runtime.tokenizer import load_tokenizer
 from rsd_service.client import RsdClient

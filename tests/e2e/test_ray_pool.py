@@ -120,7 +120,7 @@ def cluster(ray_cluster, tmp_path_factory):
     from drafter_service.server import create_server as create_drafter
     from gateway.config import GatewayConfig
     from gateway.server import create_server as create_gateway
-    from gateway.store import RedisSessionStore
+    from gateway.store.redis_store import RedisSessionStore
     from rsd_runtime.models import load_model
     from rsd_runtime.tokenizer import load_tokenizer
     from rsd_tools.tiny import build_tiny_pair

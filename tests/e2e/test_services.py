@@ -20,7 +20,7 @@ import torch
 
 from drafter_service import server as drafter_server
 from drafter_service.config import DrafterConfig
-from gateway.store import RedisSessionStore
+from gateway.store.redis_store import RedisSessionStore
 from rsd.acceptance import RULES
 from rsd.methods import Method
 from rsd.sampling import SamplingParams

@@ -27,9 +27,10 @@ from drafter_service.config import DrafterConfig
 from drafter_service.server import create_server as create_drafter
 from gateway.config import GatewayConfig, parse_services
 from gateway.errors import RequestError
-from gateway.params import default_params, finish_reason_name, merge_params, validate_params
+from gateway.requests import default_params, finish_reason_name, merge_params, validate_params
 from gateway.server import create_server
-from gateway.store import MemorySessionStore, RedisSessionStore
+from gateway.store.memory_store import MemorySessionStore
+from gateway.store.redis_store import RedisSessionStore
 from gateway.text import Detokenizer, StopFilter
 from rsd.methods import Method
 from rsd.sampling import SamplingParams
@@ -753,7 +754,7 @@ def test_context_length_is_the_smallest_advertised_max_len():
     the picked services advertise, not pass it; a service that advertises none (0: static lists) is not
     a limit."""
     from gateway.errors import ContextLengthExceeded
-    from gateway.params import check_context_length
+    from gateway.requests import check_context_length
     from rsd_service.registry import ServiceInfo
 
     params = {**default_params(GatewayConfig()), "method": "rsd_s", "shape": "3x4", "max_new_tokens": 30}

@@ -1,4 +1,4 @@
-"""Chat in the gRPC API and the gateway's OpenAI-compatible HTTP API (gateway.http_api), with the official
+"""Chat in the gRPC API and the gateway's OpenAI-compatible HTTP API (gateway.openai), with the official
 `openai` client, against real services: a verifier and a drafter (tiny Qwen2 pair, real grpc.aio servers
 on loopback) that register in a real redis-server, and gateways that find them there and serve gRPC and
 HTTP from one engine. Every HTTP answer is checked against what the gRPC API gives for the same request.
@@ -20,7 +20,7 @@ from prometheus_client import generate_latest
 from gateway.chat import ChatTemplate
 from gateway.config import GatewayConfig
 from gateway.server import create_server
-from gateway.store import MemorySessionStore
+from gateway.store.memory_store import MemorySessionStore
 from rsd_service.client import RsdClient
 from rsd_service.security import ClientSecurity
 from rsd_tools.tiny import word_tokenizer

@@ -8,16 +8,10 @@ import time
 
 import pytest
 
-from gateway.store import (
-    KvLocation,
-    MemorySessionStore,
-    RedisSessionStore,
-    ServiceInfo,
-    SessionConflict,
-    SessionExists,
-    SessionNotFound,
-    SessionStatus,
-)
+from gateway.store.memory_store import MemorySessionStore
+from gateway.store.redis_store import RedisSessionStore
+from gateway.store.session import KvLocation, SessionConflict, SessionExists, SessionNotFound, SessionStatus
+from rsd_service.registry import ServiceInfo
 from tests.fixtures.redis_server import redis_server
 
 PROMPT = [5, 6, 7]

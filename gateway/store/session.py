@@ -1,9 +1,30 @@
-"""Session state as the gateway sees it: the record types, the `SessionStore` protocol both backends
-satisfy (gateway.redis_store, gateway.memory_store) and the errors they raise. See gateway.store for the
-semantics (epochs, compare-and-set appends, the store's clock)."""
+"""A session as the gateway keeps it: the record types, the `SessionStore` protocol both backends satisfy
+(gateway.store.redis_store, gateway.store.memory_store), the errors they raise, and the checks and encoding they
+share, so both refuse the same inputs with the same messages and give back the same (JSON) params.
+
+A session (SessionRecord) is its first prompt, the committed sequence (prompt, later turns and
+generated tokens: the token at absolute position t is committed_ids[t]), the generation params
+(an opaque JSON object to the store), a status, why its last turn finished, the drafter and verifier
+of its current run, and the KV location {verifier_id, length, epoch}.
+
+The epoch names the current run. begin_epoch() starts a new run (a new drafter/verifier pair,
+e.g. after a failure) by compare-and-set on the epoch; every later write of the old run is
+refused. append_tokens(position, epoch) commits only when `position` is the committed length
+and `epoch` is current, atomically, so a retried or late step can neither duplicate tokens nor
+leave a gap: the caller gets SessionConflict with the stored length and epoch instead.
+
+Clock: updated_unix_ms (the turn lease gateways compare) and created_unix_ms are stamped by the
+store's own clock, and now_ms() reads that clock: Redis `TIME` (inside the scripts too), so the
+gateways' wall clocks never meet; the in-memory store its `clock`, which a test can inject.
+
+Every session expires session_ttl_s after its last write. A store is synchronous: from asyncio code call it
+through gateway.store.calls.StoreCalls (a thread per call, retried through a Redis outage).
+"""
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -123,3 +144,44 @@ class SessionStore(ServiceRegistry, Protocol):
     def running_sessions(self) -> list[str]:
         """Ids of the sessions whose status is RUNNING, sorted."""
         ...
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks and encoding both stores share
+
+MAX_TOKEN_ID = 2**32 - 1
+
+
+def check_tokens(tokens: Sequence[int], what: str) -> list[int]:
+    tokens = [int(t) for t in tokens]
+    if not tokens:
+        raise ValueError(f"{what} must not be empty")
+    bad = next((t for t in tokens if not 0 <= t <= MAX_TOKEN_ID), None)
+    if bad is not None:
+        raise ValueError(f"{what}: token id {bad} is outside [0, 2**32)")
+    return tokens
+
+
+def check_count(name: str, value: int) -> int:
+    if int(value) != value or value < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    return int(value)
+
+
+def encode_params(params: Mapping[str, Any]) -> str:
+    """Both stores keep params as JSON text, so both give back the same (JSON) values."""
+    return json.dumps(dict(params), sort_keys=True, separators=(",", ":"))
+
+
+def append_refused(position: int, epoch: int) -> str:
+    return f"append at position {position} in epoch {epoch} refused"
+
+
+def epoch_refused(epoch: int | None) -> str:
+    return f"write expecting epoch {epoch} refused"
+
+
+def check_finish_reason(reason: str) -> str:
+    if not isinstance(reason, str) or (reason and not re.fullmatch(r"[a-z_]{1,32}", reason)):
+        raise ValueError(f"finish_reason must be 1-32 characters of [a-z_] or empty, got {reason!r}")
+    return reason

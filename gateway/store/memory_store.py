@@ -1,5 +1,6 @@
-"""MemorySessionStore: the SessionStore (gateway.session) inside one process, with the same semantics as
-RedisSessionStore (TTLs included): a single-process run, tests."""
+"""MemorySessionStore: the SessionStore (gateway.store.session) inside one process, with the same semantics as
+RedisSessionStore (TTLs included): the embedded default of a single-process run (no redis_url), and tests. It is
+a service registry too (rsd_service.registry), as the Redis store is."""
 
 from __future__ import annotations
 
@@ -9,8 +10,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from gateway.session import KvLocation, SessionConflict, SessionExists, SessionNotFound, SessionRecord, SessionStatus
-from gateway.session_checks import (
+from gateway.store.session import (
+    KvLocation,
+    SessionConflict,
+    SessionExists,
+    SessionNotFound,
+    SessionRecord,
+    SessionStatus,
     append_refused,
     check_count,
     check_finish_reason,

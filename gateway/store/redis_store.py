@@ -1,8 +1,19 @@
-"""RedisSessionStore: the SessionStore (gateway.session) on one Redis server, shared by every gateway; what it
-holds survives the death of any service. Each multi-step operation is one Lua script, so it is atomic. The Redis
-layout is in gateway.store's docstring.
+"""RedisSessionStore: the SessionStore (gateway.store.session) on one Redis server, shared by every gateway; what
+it holds survives the death of any service. It is a service registry too (rsd_service.registry, on the same Redis
+and namespace), so one connection serves both jobs. Each multi-step operation is one Lua script, so it is atomic.
 
-The store is synchronous (redis-py): from asyncio code call it through asyncio.to_thread.
+Layout, under a namespace (default "rsd"); ids are [A-Za-z0-9._-], so keys cannot collide:
+    {ns}:session:{id}          hash: prompt_ids, params, status, finish_reason, drafter_id, verifier_id,
+                               kv_verifier_id, kv_length, epoch, created_unix_ms, updated_unix_ms
+    {ns}:session:{id}:tokens   string: the committed ids packed as little-endian uint32, so the
+                               committed length is STRLEN / 4 and an append is one APPEND
+    {ns}:service:{role}:{id}, {ns}:services:{role}: the registry's (rsd_service.registry)
+    {ns}:running               set: hash keys of the RUNNING sessions (the gateways' orphan sweep reads
+                               it), kept by the session scripts, pruned when listed
+Every key has a TTL: a session's two keys get session_ttl_s again on every write (the running set
+too, while it gains members); a service key its heartbeat's ttl_s.
+
+The store is synchronous (redis-py): from asyncio code call it through gateway.store.calls.StoreCalls.
 """
 
 from __future__ import annotations
@@ -15,8 +26,13 @@ from typing import Any
 import redis
 from redis.commands.core import Script
 
-from gateway.session import KvLocation, SessionConflict, SessionExists, SessionNotFound, SessionRecord, SessionStatus
-from gateway.session_checks import (
+from gateway.store.session import (
+    KvLocation,
+    SessionConflict,
+    SessionExists,
+    SessionNotFound,
+    SessionRecord,
+    SessionStatus,
     append_refused,
     check_count,
     check_finish_reason,

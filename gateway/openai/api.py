@@ -13,7 +13,7 @@ gRPC port), so both APIs share sessions, params validation, the auth token (`Aut
 limits (max_running_turns, max_concurrent_rpcs: calls at once, max_message_bytes: body size), metrics
 (rsd_gateway_requests_total{method="/v1/..."} and the Generate stream metrics) and request ids
 (X-Request-Id, else a new one; echoed back, in the reply id and in the logs). Bodies and what is
-supported: gateway.openai_schema.
+supported: gateway.openai.schema.
 
 Errors use OpenAI's shape {"error": {"message", "type", "param", "code"}}: 400 bad input (code
 context_length_exceeded for a turn over max_prompt_tokens, max_session_tokens or the services' max_len:
@@ -52,7 +52,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from gateway.config import GatewayConfig
 from gateway.engine import GatewayEngine
 from gateway.errors import ContextLengthExceeded
-from gateway.openai_schema import (
+from gateway.openai.schema import (
     FINISH_REASONS,
     ChatCompletionRequest,
     CompletionRequest,
