@@ -28,7 +28,8 @@ from rsd_service.client import RsdClient
 from rsd_service.logs import ContextFilter, JsonFormatter, log_context
 from rsd_service.security import ClientSecurity
 from rsd_tools.tiny import build_tiny_pair
-from tests.gateway.test_engine import PROMPT, LoopThread, greedy, status_of
+from tests.fixtures.stack import LoopThread
+from tests.gateway.test_engine import PROMPT, greedy, status_of
 from verifier_service.config import VerifierConfig
 from verifier_service.server import create_server as create_verifier
 

@@ -125,7 +125,7 @@ def cluster(ray_cluster, tmp_path_factory):
     from rsd_runtime.tokenizer import load_tokenizer
     from rsd_tools.tiny import build_tiny_pair
     from tests.fixtures.redis_server import redis_server
-    from tests.gateway.test_engine import LoopThread
+    from tests.fixtures.stack import LoopThread
 
     draft_dir, target_dir = build_tiny_pair(tmp_path_factory.mktemp("tiny"), "qwen2")
     pair = (load_model(draft_dir), load_model(target_dir), load_tokenizer(target_dir))

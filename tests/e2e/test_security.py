@@ -14,7 +14,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from drafter_service.config import DrafterConfig
 from drafter_service.server import create_server as create_drafter
@@ -24,12 +23,13 @@ from gateway.store.memory_store import MemorySessionStore
 from rsd_runtime.models import load_model
 from rsd_runtime.tokenizer import load_tokenizer
 from rsd_service.client import RsdClient
-from rsd_service.pki import make_ca, make_leaf, make_local_pki, write_pem
 from rsd_service.security import ClientSecurity, ServerSecurity, TokenInterceptor, channel, read_secret
 from rsd_service.serving import wait_healthy
 from rsd_tools.tiny import build_tiny_pair
 from rsd_wire import common_pb2, drafter_pb2, drafter_pb2_grpc, gateway_pb2, verifier_pb2, verifier_pb2_grpc
-from tests.gateway.test_engine import PROMPT, LoopThread, greedy, reference, start_stack, status_of
+from tests.fixtures.pki import make_pki
+from tests.fixtures.stack import LoopThread, start_stack
+from tests.gateway.test_engine import PROMPT, greedy, reference, status_of
 from verifier_service.config import VerifierConfig
 from verifier_service.server import create_server as create_verifier
 
@@ -38,15 +38,6 @@ PUBLIC = "public-t0ken"
 
 # ---------------------------------------------------------------------------------------------
 # Throwaway certificates (rsd_service.pki, as `rsd cluster --secure` makes them)
-
-
-def make_pki(folder: Path) -> dict[str, str]:
-    """ca, server (+ _key), client (+ _key), stranger (+ _key, signed by another CA): PEM paths."""
-    paths = make_local_pki(folder)
-    other_key, other_ca = make_ca("someone else's CA")
-    stranger = make_leaf(other_key, other_ca, "stranger", [ExtendedKeyUsageOID.CLIENT_AUTH])
-    paths["stranger"], paths["stranger_key"] = write_pem(folder / "stranger", stranger[1], stranger[0])
-    return paths
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,12 +10,9 @@ The `test_real_services_*` tests at the bottom find the services in the Redis re
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import grpc
 import pytest
@@ -35,14 +32,10 @@ from gateway.text import Detokenizer, StopFilter
 from rsd.methods import Method
 from rsd.sampling import SamplingParams
 from rsd_runtime.generator import SpeculativeGenerator
-from rsd_runtime.models import load_model
 from rsd_runtime.runner import ModelRunner
-from rsd_runtime.tokenizer import load_tokenizer
-from rsd_service.client import RsdClient, build_params
-from rsd_service.status import RpcError
-from rsd_tools.tiny import build_tiny_pair
-from rsd_wire import common_pb2, drafter_pb2, gateway_pb2
-from tests.fixtures.redis_server import redis_server
+from rsd_service.client import build_params
+from rsd_wire import common_pb2, gateway_pb2
+from tests.fixtures.stack import Stack, start_registered_services, start_stack
 from verifier_service.config import VerifierConfig
 from verifier_service.server import create_server as create_verifier
 
@@ -138,172 +131,6 @@ def test_stop_filter():
     g = StopFilter(["STOP"])
     assert g.push("a ST") == "a " and g.push("", final=True) == "ST"
     assert StopFilter([]).push("anything") == "anything"
-
-
-# ---------------------------------------------------------------------------------------------
-# Servers on an event loop in a background thread
-
-
-class LoopThread:
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout_s: float = 60.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-
-
-class DrafterTap:
-    """The real drafter service (drafter_service.server, the tiny draft model) with what a test needs around
-    it: `runs`, the RunRequests it got, and faults put between the steps its engine yields, which a real
-    drafter cannot be told to make (the one test double here):
-
-    step_delay_s: sleep after each step; fail_after_steps: the first run aborts with UNAVAILABLE after that
-    many steps, after awaiting on_fail (e.g. to play dead); hold_after_steps: the first run stalls after that
-    many steps until the gateway closes its stream."""
-
-    def __init__(
-        self,
-        handle,
-        step_delay_s: float = 0.0,
-        fail_after_steps: int | None = None,
-        hold_after_steps: int | None = None,
-    ):
-        self.handle, self.health = handle, handle.health
-        self.step_delay_s, self.fail_after_steps = step_delay_s, fail_after_steps
-        self.hold_after_steps = hold_after_steps
-        self.on_fail: Callable | None = None
-        self.runs: list[drafter_pb2.RunRequest] = []
-        validate, run = handle.servicer.validate, handle.engine.run
-
-        def record(request: drafter_pb2.RunRequest):
-            self.runs.append(request)
-            return validate(request)
-
-        async def run_with_faults(job):
-            async with contextlib.aclosing(run(job)) as steps:
-                num_steps = 0
-                while True:
-                    if self.fail_after_steps is not None and num_steps >= self.fail_after_steps:
-                        self.fail_after_steps = None
-                        if self.on_fail is not None:
-                            await self.on_fail()
-                        raise RpcError(grpc.StatusCode.UNAVAILABLE, "verifier stream failed (test)")
-                    step = await anext(steps, None)
-                    if step is None:
-                        return
-                    yield step
-                    num_steps += 1
-                    if step.finish_reason:
-                        return
-                    if self.hold_after_steps is not None and num_steps >= self.hold_after_steps:
-                        self.hold_after_steps = None
-                        await asyncio.Event().wait()  # never set: cancelled when the gateway closes the stream
-                    await asyncio.sleep(self.step_delay_s)
-
-        handle.servicer.validate, handle.engine.run = record, run_with_faults
-
-
-@dataclass
-class Stack:
-    """A gateway over real drafters (d0, d1, ...; each behind a DrafterTap) and real verifiers (v0, ...)."""
-
-    loop: LoopThread
-    address: str = ""
-    engine: object = None
-    drafters: list[DrafterTap] = field(default_factory=list)
-    drafter_health: list = field(default_factory=list)
-    verifier_servers: list = field(default_factory=list)
-    servers: list = field(default_factory=list)  # the gateway's first
-    services: list = field(default_factory=list)  # (handle, server) of each drafter and verifier
-
-    def client(self) -> RsdClient:
-        return RsdClient(self.address, timeout_s=60)
-
-    def stop(self) -> None:
-        async def stop_all():
-            for server in self.servers:
-                await server.stop(0)
-            await self.engine.close()
-            for handle, server in self.services:
-                await handle.close(server, 0)
-
-        self.loop.run(stop_all())
-
-
-def start_stack(loop, pair, store, *, num_drafters=1, num_verifiers=1, drafter_kwargs=None, **config) -> Stack:
-    draft_model, target_model, tokenizer = pair
-    stack = Stack(loop)
-
-    async def start():
-        drafters, verifiers = [], []
-        for i in range(num_drafters):
-            server, port, handle = await create_drafter(DrafterConfig(drafter_id=f"d{i}"), draft_model)
-            tap = DrafterTap(handle, **(drafter_kwargs or {}))
-            stack.drafters.append(tap)
-            stack.drafter_health.append(tap.health)
-            stack.services.append((handle, server))
-            drafters.append(f"d{i}=127.0.0.1:{port}")
-        for i in range(num_verifiers):
-            server, port, handle = await create_verifier(VerifierConfig(verifier_id=f"v{i}"), target_model)
-            stack.verifier_servers.append(server)
-            stack.services.append((handle, server))
-            verifiers.append(f"v{i}=127.0.0.1:{port}")
-        cfg = GatewayConfig(port=0, drafters=",".join(drafters), verifiers=",".join(verifiers), **config)
-        server, port, handle = await create_server(cfg, store=store, tokenizer=tokenizer)
-        stack.servers.insert(0, server)
-        stack.address, stack.engine = f"127.0.0.1:{port}", handle.engine
-
-    loop.run(start(), timeout_s=120)
-    return stack
-
-
-@pytest.fixture(scope="module")
-def tiny_dirs(tmp_path_factory):
-    return build_tiny_pair(tmp_path_factory.mktemp("tiny"), "qwen2")
-
-
-@pytest.fixture(scope="module")
-def tiny_tokenizer(tiny_dirs):
-    return load_tokenizer(tiny_dirs[1])
-
-
-@pytest.fixture(scope="module")
-def pair(tiny_dirs, tiny_tokenizer):
-    return load_model(tiny_dirs[0]), load_model(tiny_dirs[1]), tiny_tokenizer
-
-
-@pytest.fixture(scope="module")
-def loop():
-    thread = LoopThread()
-    yield thread
-    thread.close()
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    with redis_server() as server:
-        yield server.url
-
-
-@pytest.fixture(params=["memory", "redis"])
-def store(request):
-    if request.param == "memory":
-        return MemorySessionStore()
-    url = request.getfixturevalue("redis_url")
-    return RedisSessionStore.from_url(url, namespace=f"rsd-test-gw-{time.monotonic_ns()}")
-
-
-@pytest.fixture
-def stack(loop, pair, store):
-    s = start_stack(loop, pair, store)
-    yield s
-    s.stop()
 
 
 def reference(pair, prompt_ids, method="rsd_s", shape="3x4", max_new_tokens=24) -> list[int]:
@@ -623,15 +450,6 @@ def test_failover_mid_run_has_no_gap_and_no_repeat(loop, pair, store, dead):
 # Through the real drafter and verifier services
 
 REAL_METHODS = [("sd", "4"), ("specinfer", "2,2,1"), ("spectr", "3x3"), ("rsd_c", "2,2,1"), ("rsd_s", "3x4")]
-
-
-async def start_registered_services(pair, registry: dict) -> list:
-    """A verifier (v0) and a drafter (d0) on loopback that register in Redis (registry: redis_url and
-    redis_namespace); returns their (handle, server) pairs, to close with `handle.close(server, 0)`."""
-    draft_model, target_model, _ = pair
-    vserver, _, vhandle = await create_verifier(VerifierConfig(verifier_id="v0", **registry), target_model)
-    dserver, _, dhandle = await create_drafter(DrafterConfig(drafter_id="d0", **registry), draft_model)
-    return [(dhandle, dserver), (vhandle, vserver)]
 
 
 @pytest.fixture(scope="module")

@@ -25,13 +25,8 @@ from rsd_service.client import RsdClient
 from rsd_service.security import ClientSecurity
 from rsd_tools.tiny import word_tokenizer
 from rsd_wire import common_pb2, gateway_pb2
-from tests.e2e.test_security import make_pki
-from tests.gateway import test_engine as test_gateway
-from tests.gateway.test_engine import start_registered_services, start_stack
-
-# test_gateway's fixtures: the tiny Qwen2 pair and its tokenizer, the server loop thread, redis-server
-tiny_dirs, tiny_tokenizer, pair = test_gateway.tiny_dirs, test_gateway.tiny_tokenizer, test_gateway.pair
-loop, redis_url = test_gateway.loop, test_gateway.redis_url
+from tests.fixtures.pki import make_pki
+from tests.fixtures.stack import start_registered_services, start_stack
 
 TOKEN = "s3cret-token"
 MODEL = "rsd-tiny"

@@ -6,7 +6,7 @@ import torch
 
 from rsd.random import Draw, StepRandom, Stream, _philox_ints, philox4x32
 from rsd.sampling import gumbel_top_k
-from tests.rsd.test_statistical import chi_square_pvalue
+from tests.fixtures.toy import chi_square_pvalue
 
 # Random123's kat_vectors for philox4x32-10: (counter, key, output)
 KAT = [

@@ -1,6 +1,6 @@
 """Statistical checks of the sampling code itself, with fixed seeds and firm thresholds.
 
-test_exact.py proves the rules against the *enumerated* tree laws; here the drafting code must
+test_acceptance.py proves the rules against the *enumerated* tree laws; here the drafting code must
 produce trees with exactly those laws, and whole pipelines (draft + verify) must emit text with the
 target's law. Pearson chi-square; a correct sampler fails with probability 1e-4 per test, and the
 negative control must land far below.
@@ -18,27 +18,7 @@ WOR, IID = DraftMode.WITHOUT_REPLACEMENT, DraftMode.IID
 
 V = 4
 P_MIN = 1e-4
-STOP = 0.3  # confidence stop, as in test_exact.py
-
-
-def chi_square_pvalue(counts: dict, law: dict, n: int) -> float:
-    """Pearson chi-square p-value of observed counts against law (cells with tiny mass pooled)."""
-    keys = sorted(set(law) | set(counts), key=lambda k: -law.get(k, 0.0))
-    stat, pooled_obs, pooled_exp, dof = 0.0, 0.0, 0.0, -1
-    for k in keys:
-        expected, observed = n * law.get(k, 0.0), counts.get(k, 0)
-        if expected < 5:
-            if expected == 0 and observed > 0:
-                return 0.0  # an impossible outcome happened
-            pooled_obs, pooled_exp = pooled_obs + observed, pooled_exp + expected
-            continue
-        stat += (observed - expected) ** 2 / expected
-        dof += 1
-    if pooled_exp > 0:
-        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
-        dof += 1
-    dof = max(dof, 1)
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2)))
+STOP = 0.3  # confidence stop, as in test_acceptance.py
 
 
 def _key(tree):
@@ -62,7 +42,7 @@ DRAFTERS = {
         lambda p, g: draft_sbs(toy.TableProposal(p), 0, 2, 2, g),
         lambda p: toy.sbs_tree_law(p, V, 2, 2),
     ),
-    # the confidence stop: the code's trees follow the cut laws that test_exact.py proves exact
+    # the confidence stop: the code's trees follow the cut laws that test_acceptance.py proves exact
     "rsd_c_2x1x1_stop": (
         lambda p, g: draft_tree(toy.TableProposal(p), 0, [2, 1, 1], WOR, g, stop_below=STOP),
         lambda p: toy.confidence_cut(toy.branching_tree_law(p, V, [2, 1, 1], WOR), STOP, "node"),
@@ -89,7 +69,7 @@ def test_drafted_trees_follow_the_enumerated_law(name):
     for i in range(n):  # trial i draws at root position i: fresh counters, as successive steps are
         k = _key(sample_tree(draft, StepRandom(0, Stream.DRAFT, i)))
         counts[k] = counts.get(k, 0) + 1
-    assert chi_square_pvalue(counts, law, n) > P_MIN
+    assert toy.chi_square_pvalue(counts, law, n) > P_MIN
 
 
 PIPELINES = {  # drafter, rule, depth
@@ -118,7 +98,7 @@ def test_pipeline_output_follows_target(name):
     draft, target = toy.random_table(31, V), toy.random_table(32, V)
     n = 6000
     counts = _emitted_counts(drafter, rule, depth, draft, target, n, seed=1)
-    assert chi_square_pvalue(counts, toy.extend((), target, depth + 1), n) > P_MIN
+    assert toy.chi_square_pvalue(counts, toy.extend((), target, depth + 1), n) > P_MIN
 
 
 def test_pipeline_negative_control_wrong_rule_is_detected():
@@ -126,4 +106,4 @@ def test_pipeline_negative_control_wrong_rule_is_detected():
     draft, target = toy.random_table(31, V), toy.random_table(32, V)
     n = 6000
     counts = _emitted_counts(drafter, "rrs_with_replacement", depth, draft, target, n, seed=1)
-    assert chi_square_pvalue(counts, toy.extend((), target, depth + 1), n) < 1e-8
+    assert toy.chi_square_pvalue(counts, toy.extend((), target, depth + 1), n) < 1e-8

@@ -31,7 +31,7 @@ from rsd_runtime.generator import SpeculativeGenerator
 from rsd_runtime.models import load_model
 from rsd_runtime.runner import ModelRunner
 from tests.fixtures.architectures import ARCHS, BY_NAME, WINDOW, save_pair
-from tests.rsd.test_statistical import chi_square_pvalue
+from tests.fixtures.toy import chi_square_pvalue
 from tests.rsd_runtime.test_generator import target_law_two_tokens
 from tests.rsd_runtime.test_runner import ATOL, assert_matches_paths, path, random_tree
 from verifier_service.engine import VerifierPool, VerifyRequest

@@ -26,7 +26,7 @@ from rsd_runtime.runner import ModelRunner
 from rsd_tools.tiny import build_tiny_pair
 from tests.fixtures import toy
 from tests.fixtures.emulated_cuda import emulated_cuda, module_to_emulated_cuda
-from tests.rsd.test_statistical import chi_square_pvalue
+from tests.fixtures.toy import chi_square_pvalue
 from verifier_service.engine import VerifierPool, VerifyRequest
 
 DEVICE = os.environ.get("RSD_TEST_DEVICE", "")

@@ -20,7 +20,7 @@ from rsd_runtime.kvcache import common_prefix_length
 from rsd_runtime.models import load_model
 from rsd_runtime.runner import ModelRunner
 from rsd_tools.tiny import build_tiny_pair, build_tiny_vocab_pair
-from tests.rsd.test_statistical import chi_square_pvalue
+from tests.fixtures.toy import chi_square_pvalue
 
 GREEDY_METHODS = [
     ("sd", "4"),
