@@ -34,7 +34,7 @@ class DrafterConfig(PeerTLSConfig, ModelServiceConfig):
     draft_vocab: int = 0
     # Quantisation of the draft model (rsd_runtime.models.quantize_draft): "none", "int8" (int8 linear
     # layers on the CPU, per-row activations on an AVX512-VNNI kernel where the CPU has one, else torch's
-    # dynamic int8: Qwen2.5-0.5B, one thread, 277 -> 90 ms per one-token forward against fp32; exact,
+    # dynamic int8; exact,
     # since the verifier judges each proposal with the law it was drawn from), "auto" (int8 where a
     # quick measurement at start finds it faster on this device, else none). int8 needs dtype float32
     # or auto. The verifier has no such setting: the target is never quantised.

@@ -104,9 +104,9 @@ def nonzero_ids(probs: Tensor) -> list[Tensor]:
 def top_k_indices(x: Tensor, k: int) -> Tensor:
     """Indices [F, k] of the k largest entries of each row of x [F, V], largest first (ties: any order).
 
-    The same set as torch.topk, in a fraction of its time when k << V (151,936 ids, k = 256, one thread:
-    0.75 vs 1.26 ms for 4 rows): a top-k entry lies in a block whose maximum is among the k largest block
-    maxima (else k blocks, each holding a larger entry, would outrank it), so only those blocks are searched.
+    The same set as torch.topk, in a fraction of its time when k << V: a top-k entry lies in a block whose
+    maximum is among the k largest block maxima (else k blocks, each holding a larger entry, would outrank
+    it), so only those blocks are searched.
     """
     if x.dim() != 2 or k * _BLOCK * 4 > x.shape[-1]:  # too few blocks to gain anything
         return torch.topk(x, k, dim=-1).indices

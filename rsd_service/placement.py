@@ -1,7 +1,7 @@
 """Placement: which CPU cores a process may run on, and how many torch threads it uses.
 
 A drafter and a verifier on one machine should not fight over cores: a one-token forward is bound by
-memory bandwidth, so a second thread barely helps the verifier (Qwen 1.5B fp32: 675 -> 663 ms), and
+memory bandwidth, so a second thread barely helps the verifier (docs/performance.md), and
 the core is worth more running the drafter beside it. Each model service (and `rsd generate` /
 `rsd bench`) takes `cores`, a Linux CPU list such as "0", "0-1,3" ("" = leave the affinity alone),
 and `threads` (0 = one per given core, or torch's default when no cores are given).
