@@ -39,6 +39,7 @@ taken in float64 and p is renormalised (a sampler draws from p / sum p): a 16-bi
 promoted, never the target's law rounded down to it. Unchecked,
 a child outside p's support would be accepted with certainty: min(1, q(x) / 0) is 1, and so is
 min(1, 0 / 0) in Python. Deviations from the paper are marked DEVIATION where they are made.
+Why each rule is exact, the methods side by side and the tests that prove them: docs/algorithm.md.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ A tree of N nodes is two int64 tensors:
 `parent_idx[i] < i` makes the order topological and rules out cycles. Siblings are stored in the
 order they were sampled: the acceptance rules visit children in increasing node index, and
 recursive rejection sampling is exact only in that order (a later sibling's law is its parent's
-with the earlier siblings removed).
+with the earlier siblings removed; docs/algorithm.md).
 """
 
 from __future__ import annotations

@@ -53,7 +53,8 @@ class ModelSpec:
     sha256: str  # of the assembled GGUF
 
 
-# The one table of pinned constants (see /work/shared/models.md).
+# The one table of pinned constants: the SHA-256 of each assembled GGUF is what makes the chunk wheels trustworthy
+# (they carry no checksum or licence of their own; docs/operations.md, Models).
 MODELS: dict[str, ModelSpec] = {
     "draft": ModelSpec(
         name="Qwen2.5-Coder-0.5B-Instruct",
