@@ -1,6 +1,6 @@
-"""Architectures, exact or refused: the README's table from the test matrix (tests/fixtures/architectures.py); prints
-it and writes benchmarks/results/architectures.md (`rsd bench architectures`). It replays the test suite's
-matrix and per-path reference (tests/rsd_runtime/test_runner.py), so it runs from a source checkout, where tests/ is.
+"""Architectures, exact or refused: a table from the test matrix (tests/fixtures/architectures.py), printed and
+written to benchmarks/results/architectures.md (`rsd bench architectures`). It replays the test suite's matrix
+and per-path reference (tests/rsd_runtime/test_runner.py), so it runs from a source checkout, where tests/ is.
 
 Per architecture: the attention backend load_model picked, the plan check_model made (or its
 refusal), the largest tree-forward logit error against per-path causal forwards (a sequence 3x the

@@ -19,7 +19,7 @@ it the one gateway keeps sessions in its embedded store and is given the service
 Placement by default: no cores given, each model service takes one torch thread per core (--threads 0)
 and the drafter and the verifier take turns on all of them, pre-drafting off (--predraft auto); the
 drafter is int8 where a measurement at load finds it faster (--draft-quantize auto). On the 2-core AMX
-Xeon measured this beat one core each with pre-drafting (README, *Placement*); give disjoint
+Xeon measured this beat one core each with pre-drafting (docs/operations.md, placement); give disjoint
 --drafter-cores/--verifier-cores (pre-drafting then turns on) where one core draws most of the memory
 bandwidth (as on the AVX2 EPYC measured earlier) or each side has a device of its own.
 

@@ -5,7 +5,7 @@ fixed_nodes). rsd_bench.methods.cli has the usage and the flags.
     planning     methods as specs, the paper protocols, the flags -> a Plan
     timing       forward costs, the time of each target step, tallies and result rows
     hf_assisted  the outside peer: transformers' assisted generation on the same models
-    report       markdown, README pivots, PNG plots
+    report       markdown, pivots, PNG plots
     run          one run: load the models, generate, write the result files
     cli          build_parser and main
     compare      two methods of one result, depth by depth, with bootstrap intervals

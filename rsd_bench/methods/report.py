@@ -1,4 +1,4 @@
-"""The benchmark's report: the markdown table of every row, the README pivots and the PNG plots."""
+"""The benchmark's report: the markdown table of every row, pivots (by budget, by depth) and the PNG plots."""
 
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def interval_table(rows: list[dict]) -> list[str]:
 
 
 def summary_tables(rows: list[dict]) -> list[str]:
-    """Markdown pivots for the README: block efficiency by budget (best shape) and by depth, per T."""
+    """Markdown pivots: block efficiency by budget (best shape) and by depth, per T."""
     out = []
     temps = sorted({r["temperature"] for r in rows})
     for protocol, key, title in (

@@ -58,7 +58,7 @@ def _predraft_all(pre: PreDrafter, halt, arrived, deadline, limit, width=1, side
 
 
 def test_step_draws_are_stable_and_separate_streams_and_positions():
-    # Golden values: the draws are part of the reproducibility contract (README); tests/rsd/test_random.py
+    # Golden values: the draws are part of the reproducibility contract (docs/algorithm.md); tests/rsd/test_random.py
     # checks their generator and that no two keys collide.
     ids = torch.arange(3)
     assert StepRandom(0, Stream.DRAFT, 0).uniform(Draw.GUMBEL, 0, ids).tolist() == [
