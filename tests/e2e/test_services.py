@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from contextlib import asynccontextmanager
 
 import grpc
 import pytest
@@ -30,17 +29,15 @@ from rsd_runtime.generator import SpeculativeGenerator
 from rsd_runtime.models import batch_variance, load_model
 from rsd_runtime.runner import ModelRunner
 from rsd_tools.tiny import build_tiny_pair
-from rsd_wire import GRPC_OPTIONS, common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from rsd_wire import common_pb2, drafter_pb2, verifier_pb2
 from rsd_wire.convert import draft_tree_to_proto, proposal_law_to_proto, tensor_to_proto
 from tests.fixtures.redis_server import redis_server
+from tests.fixtures.services import MAX_LEN, NEW_TOKENS, PROMPT, gen_params, reference, run, services
 from verifier_service import server as verifier_server
 from verifier_service.batcher import Batcher
 from verifier_service.config import VerifierConfig
 from verifier_service.engine import UnknownSessionError, VerifierPool, VerifyRequest
 
-PROMPT = [2, 10, 11, 12, 13]
-MAX_LEN = 256
-NEW_TOKENS = 20
 CASES = [
     ("sd", "3"),
     ("specinfer", "2,2"),
@@ -55,61 +52,6 @@ CASES = [
 def models(tmp_path_factory):
     draft_dir, target_dir = build_tiny_pair(tmp_path_factory.mktemp("tiny"), "llama")
     return load_model(draft_dir), load_model(target_dir)
-
-
-def reference(models, prompt, method, params, seed, new_tokens=NEW_TOKENS, draft_top_k=256) -> list[int]:
-    draft, target = models
-    gen = SpeculativeGenerator(ModelRunner(target, MAX_LEN), ModelRunner(draft, MAX_LEN), draft_top_k=draft_top_k)
-    return gen.generate(prompt, method, params, max_new_tokens=new_tokens, seed=seed).token_ids
-
-
-def gen_params(name: str, shape: str, temperature: float, seed: int, top_p: float | None = None):
-    sampling = common_pb2.SamplingParams(temperature=temperature)
-    if top_p is not None:
-        sampling.top_p = top_p
-    return common_pb2.GenerationParams(sampling=sampling, method=common_pb2.Method(name=name, shape=shape), seed=seed)
-
-
-@asynccontextmanager
-async def services(models, verifier_cfg: dict | None = None, drafter_cfg: dict | None = None):
-    """A verifier and a drafter on loopback; yields (verifier handle, drafter handle, drafter stub, verifier stub)."""
-    draft, target = models
-    vcfg = VerifierConfig(**{"max_len": MAX_LEN, "num_slots": 8, **(verifier_cfg or {})})
-    dcfg = DrafterConfig(**{"max_len": MAX_LEN, **(drafter_cfg or {})})
-    vserver, _, vhandle = await verifier_server.create_server(vcfg, target)
-    dserver, _, dhandle = await drafter_server.create_server(dcfg, draft)
-    try:
-        async with (
-            grpc.aio.insecure_channel(dhandle.address, options=GRPC_OPTIONS) as dchan,
-            grpc.aio.insecure_channel(vhandle.address, options=GRPC_OPTIONS) as vchan,
-        ):
-            yield vhandle, dhandle, drafter_pb2_grpc.DrafterStub(dchan), verifier_pb2_grpc.VerifierStub(vchan)
-    finally:
-        await dhandle.close(dserver, 0)
-        await vhandle.close(vserver, 0)
-
-
-async def run(stub, vhandle, session_id, params, committed=PROMPT, new_tokens=NEW_TOKENS, epoch=1, eos=()):
-    """Drafter.Run as the gateway calls it; -> (new tokens, events). Checks positions are contiguous."""
-    request = drafter_pb2.RunRequest(
-        session_id=session_id,
-        epoch=epoch,
-        committed_token_ids=committed,
-        params=params,
-        max_new_tokens=new_tokens,
-        eos_token_ids=eos,
-        verifier_address=vhandle.address,
-        verifier_id=vhandle.verifier_id,
-    )
-    tokens, events = [], []
-    async for event in stub.Run(request):
-        assert event.start_position == len(committed) + len(tokens)
-        assert (event.session_id, event.epoch) == (session_id, epoch)
-        tokens += event.token_ids
-        events.append(event)
-    assert events[-1].finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
-    assert all(e.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED for e in events[:-1])
-    return tokens, events
 
 
 # ---------------------------------------------------------------------------------------------

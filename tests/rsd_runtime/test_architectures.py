@@ -201,7 +201,7 @@ SERVED = ["gemma2", "mistral-window", "qwen2-sliding", "gpt2"]
 def test_through_the_services(arch_root, name):
     """Drafter -> verifier over real gRPC: T = 0 is the target's greedy output, T > 0 the in-process
     generator's output with the same seed, token for token."""
-    from tests.e2e.test_services import gen_params, reference, run, services
+    from tests.fixtures.services import gen_params, reference, run, services
 
     _draft, target = models = _pair(arch_root, name)
     greedy = SpeculativeGenerator(ModelRunner(target, 128)).generate(PROMPT, None, SamplingParams(0), NEW_TOKENS)

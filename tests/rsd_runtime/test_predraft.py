@@ -28,7 +28,7 @@ from rsd_runtime.predraft import PipelinedGenerator, PreDrafter, PreDraftMismatc
 from rsd_runtime.runner import ModelRunner
 from rsd_service.serving import load_config
 from rsd_tools.tiny import build_tiny_pair
-from tests.e2e.test_services import gen_params, reference, run, services
+from tests.fixtures.services import gen_params, reference, run, services
 
 METHODS = [("sd", "3"), ("specinfer", "2,2"), ("spectr", "2x3"), ("rsd_c", "2,2,1"), ("rsd_s", "3x3")]
 TEMPERATURES = [0.0, 0.6, 1.0]

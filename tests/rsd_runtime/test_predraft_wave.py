@@ -27,7 +27,7 @@ from rsd_runtime.predraft import PreDrafter, PreDraftMismatchError, outcome_of
 from rsd_runtime.runner import ModelRunner
 from rsd_service.serving import load_config
 from rsd_tools.tiny import build_tiny_pair
-from tests.e2e.test_services import gen_params, reference, run, services
+from tests.fixtures.services import gen_params, reference, run, services
 from tests.rsd_runtime.test_predraft import MAX_LEN, METHODS, PROMPT
 
 

@@ -26,7 +26,7 @@ from rsd_runtime.models import int8_speedup, load_model, prune_draft_vocab, quan
 from rsd_runtime.runner import ModelRunner
 from rsd_tools.tiny import build_tiny_pair, build_tiny_vocab_pair
 from rsd_wire import GRPC_OPTIONS, drafter_pb2_grpc
-from tests.e2e.test_services import MAX_LEN, PROMPT, gen_params, run, services
+from tests.fixtures.services import MAX_LEN, PROMPT, gen_params, run, services
 from tests.fixtures.toy import chi_square_pvalue
 from tests.rsd_runtime.test_generator import PROMPTS, target_greedy, target_law_two_tokens
 from verifier_service import server as verifier_server
