@@ -4,7 +4,8 @@ Certificates are made at test time (rsd_service.pki), in a temporary folder (a C
 127.0.0.1 / localhost, a client certificate, and a stranger's certificate from another CA): no key
 is ever committed. The secure cluster is the real verifier and drafter services plus the gateway,
 every hop over mTLS with the internal shared secret, the gateway's public API with a bearer token.
-The limits tests run the gateway over test_gateway's stack (the real drafter behind DrafterTap, which slows steps).
+The limits tests run the gateway over the stack of tests/fixtures/stack.py (the real drafter behind DrafterTap,
+which slows steps).
 """
 
 from __future__ import annotations

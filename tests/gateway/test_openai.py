@@ -138,7 +138,7 @@ def _without_template(tokenizer):
 
 def test_a_chat_turn_also_stops_at_the_end_of_turn_token(loop, pair, tiny_tokenizer):
     """The drafter is told to stop at eos and at the template's end of turn (here <pad>, id 0) for a chat
-    turn, at eos alone for a text turn; test_gateway's DrafterTap records the real drafter's runs."""
+    turn, at eos alone for a text turn; tests/fixtures/stack.py's DrafterTap records the real drafter's runs."""
     tok = copy.deepcopy(tiny_tokenizer)
     tok.chat_template = tok.chat_template.replace("<eos>", "<pad>")
     stack = start_stack(loop, (pair[0], pair[1], tok), MemorySessionStore())
