@@ -97,7 +97,8 @@ class Int8Linear(torch.nn.Module):
     @staticmethod
     def takes(linear: torch.nn.Linear) -> bool:
         """Whether the kernel runs here (AVX512-VNNI, a compiler) and takes this layer (K % 64 == 0, CPU)."""
-        return linear.weight.device.type == "cpu" and linear.in_features % 64 == 0 and small_gemm.available(torch.int8)
+        device = next(linear.buffers()).device if not hasattr(linear, "weight") else linear.weight.device  # GGUF
+        return device.type == "cpu" and linear.in_features % 64 == 0 and small_gemm.available(torch.int8)
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, self.in_features)  # [R, K]

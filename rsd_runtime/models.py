@@ -14,8 +14,9 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from rsd_runtime import DTYPE_NAMES, QUANTIZE_MODES, row_attention, small_gemm
+from rsd_runtime import DTYPE_NAMES, QUANTIZE_MODES, quant, row_attention, small_gemm
 from rsd_runtime.attention import GROUPED_SDPA, PROBE_KEYS, ROW_SDPA, check_model
+from rsd_runtime.gguf_model import gguf_file, load_gguf
 from rsd_runtime.lean import lean_decoder, use_lean_forward
 from rsd_runtime.linear import Int8Linear, SmallBatchLinear, plain_linear, replace_linear, use_small_batch_linear
 
@@ -54,10 +55,14 @@ def load_model(
     device: str = "cpu",
     dtype: str = "float32",
     attn_implementation: str = "auto",
-    gguf_file: str | None = None,
     small_batch_rows: int | None = None,
 ) -> PreTrainedModel:
     """A causal LM in eval mode with gradients off, on `device` (any torch device string).
+
+    `path` is a checkpoint folder, a GGUF file, or a folder holding one GGUF file and no other weights (what
+    `rsd provision` makes). A GGUF model is read by rsd_runtime.gguf_model: on a CPU in float32 ("auto" is
+    float32 there) its quantised linear layers compute from the file's blocks (rsd_runtime.quant); on any
+    other device or dtype it is dequantised on load to the file's float32 weights, then cast.
 
     small_batch_rows: linear layers over at most this many rows take rsd_runtime.linear.SmallBatchLinear's path
     (on a CPU rsd_runtime.small_gemm's kernels, which stream each weight once for all rows). None picks per
@@ -70,22 +75,26 @@ def load_model(
     GPT-Neo, Bloom, MPT, XGLM have no sdpa path); the choice is logged and kept in model.config._attn_implementation.
     Tree forwards need one of rsd_runtime.attention.MASKED_ATTENTION.
     """
-    kwargs = {"dtype": parse_dtype(dtype, device)}
-    if gguf_file is not None:
-        kwargs["gguf_file"] = gguf_file
-    if attn_implementation != "auto":
-        model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation=attn_implementation, **kwargs)
+    gguf = gguf_file(path)
+    attn = "sdpa" if attn_implementation == "auto" else attn_implementation
+    if gguf is not None:
+        on_cpu = torch.device(device).type == "cpu"
+        torch_dtype = torch.float32 if dtype == "auto" and on_cpu else parse_dtype(dtype, device)
+        quantized = on_cpu and torch_dtype == torch.float32 and quant.kernel_name() is not None
+        model = load_gguf(gguf, attn, quantized).to(torch_dtype)
     else:
+        kwargs = {"dtype": parse_dtype(dtype, device)}
         try:
-            model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="sdpa", **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation=attn, **kwargs)
         except ValueError as e:
-            if "scaled_dot_product_attention" not in str(e) and "sdpa" not in str(e):
+            if attn_implementation != "auto" or ("scaled_dot_product_attention" not in str(e) and "sdpa" not in str(e)):
                 raise
             model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager", **kwargs)
-        if model.config._attn_implementation == "sdpa" and model._can_set_attn_implementation():
-            # sdpa up to float rounding, without repeat_kv's copies; on a CPU a row's bits its own (batch_variance)
-            row = torch.device(device).type == "cpu" and row_attention.available()
-            model.set_attn_implementation(ROW_SDPA if row else GROUPED_SDPA)
+    auto_sdpa = attn_implementation == "auto" and model.config._attn_implementation == "sdpa"
+    if auto_sdpa and model._can_set_attn_implementation():
+        # sdpa up to float rounding, without repeat_kv's copies; on a CPU a row's bits its own (batch_variance)
+        row = torch.device(device).type == "cpu" and row_attention.available()
+        model.set_attn_implementation(ROW_SDPA if row else GROUPED_SDPA)
     model.to(torch.device(device)).eval().requires_grad_(False)
     if small_batch_rows is None and torch.device(device).type != "cpu":
         small_batch_rows = 0
@@ -94,9 +103,10 @@ def load_model(
     if small_batch_rows:
         use_small_batch_linear(model, small_batch_rows)
     log.info(
-        "loaded %s: %s, attention %s, %s on %s, small-batch linear %s",
+        "loaded %s: %s%s, attention %s, %s on %s, small-batch linear %s",
         path,
         type(model).__name__,
+        _quantized_summary(model),
         model.config._attn_implementation,
         model.dtype,
         device,
@@ -106,6 +116,15 @@ def load_model(
         else "off",
     )
     return model
+
+
+def _quantized_summary(model: torch.nn.Module) -> str:
+    """ ", 196 linear layers on GGUF blocks (Q4_K x 140, Q6_K x 56; avx512 kernel)" or ""."""
+    types = Counter(quant.KERNEL_TYPES[m.qtype][0] for m in model.modules() if isinstance(m, quant.QuantLinear))
+    if not types:
+        return ""
+    listed = ", ".join(f"{name} x {n}" for name, n in sorted(types.items()))
+    return f", {types.total()} linear layers on GGUF blocks ({listed}; {quant.kernel_name()} kernel)"
 
 
 def batch_variance(model: torch.nn.Module) -> str:
@@ -158,12 +177,16 @@ class PrunedLMHead(torch.nn.Module):
     draft law, only acceptance can drop (the idea of FR-Spec, Zhao et al., 2025).
     """
 
-    def __init__(self, lm_head: torch.nn.Linear, keep: int):
+    def __init__(self, lm_head: torch.nn.Linear | quant.QuantLinear, keep: int):
         super().__init__()
-        vocab, hidden = lm_head.weight.shape
+        vocab, hidden = lm_head.out_features, lm_head.in_features
         if not 0 < keep <= vocab:
             raise ValueError(f"draft vocabulary {keep} must be in [1, {vocab}]")
         self.vocab_size = vocab
+        if isinstance(lm_head, quant.QuantLinear):  # a GGUF head: its first `keep` rows of blocks
+            bias = None if lm_head.bias is None else lm_head.bias[:keep]
+            self.kept = quant.QuantLinear(lm_head.blocks[:keep].clone(), lm_head.qtype, hidden, keep, bias)
+            return
         self.kept = torch.nn.Linear(hidden, keep, bias=lm_head.bias is not None)  # use_small_batch_linear may swap it
         self.kept.to(lm_head.weight.device, lm_head.weight.dtype)
         with torch.no_grad():
@@ -183,11 +206,11 @@ def prune_draft_vocab(model: torch.nn.Module, keep: int) -> None:
     Unties a head shared with the input embeddings: the embeddings keep every id. Prune before
     quantize_draft (the pruned head is then quantised too)."""
     head = model.get_output_embeddings()
-    if keep and not isinstance(head, torch.nn.Linear):
+    if keep and not isinstance(head, (torch.nn.Linear, quant.QuantLinear)):
         raise ValueError(
             f"cannot prune a {type(head).__name__} output layer: prune the draft vocabulary before quantising"
         )
-    if not keep or keep >= head.weight.shape[0]:
+    if not keep or keep >= head.out_features:
         return
     model.set_output_embeddings(PrunedLMHead(head, keep))
     model.config.tie_word_embeddings = False
@@ -253,6 +276,7 @@ def quantize_draft(model: torch.nn.Module, mode: str, dtype: str = "float32") ->
     check_model(model, PROBE_KEYS)
     from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
+    replace_linear(model, (quant.QuantLinear,), quant.QuantLinear.dequantized)  # a GGUF drafter: its weights
     plain_linear(model)  # int8 layers replace the float ones: load_model's SmallBatchLinear goes first
     if all(Int8Linear.takes(m) for m in model.modules() if type(m) is torch.nn.Linear):
         replace_linear(model, (torch.nn.Linear,), Int8Linear)
@@ -291,22 +315,28 @@ def int8_speedup(model: torch.nn.Module, rows: tuple[int, ...] = (1, 4), reps: i
     from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
     from torch.ao.quantization import per_channel_dynamic_qconfig
 
-    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, quant.QuantLinear))]
     shapes = Counter((m.in_features, m.out_features) for m in layers)
     first = {(m.in_features, m.out_features): m for m in reversed(layers)}
     vnni = all(Int8Linear.takes(m) for m in layers)  # what quantize_draft would use
     total = {"float": 0.0, "int8": 0.0}
     for (n_in, n_out), count in shapes.items():
         used = min(n_out, 8192)
-        float_layer = torch.nn.Linear(n_in, used, bias=False, dtype=first[(n_in, n_out)].weight.dtype)
-        float_layer.weight.copy_(first[(n_in, n_out)].weight[:used])
+        layer = first[(n_in, n_out)]
+        if isinstance(layer, quant.QuantLinear):  # a GGUF drafter: its own blocks against int8
+            layer = quant.QuantLinear(layer.blocks[:used], layer.qtype, n_in, used)
+        weight = layer.dequantized().weight if isinstance(layer, quant.QuantLinear) else layer.weight[:used]
+        float_layer = torch.nn.Linear(n_in, used, bias=False, dtype=weight.dtype)
+        float_layer.weight.copy_(weight)
         source = copy.deepcopy(float_layer).float()
         source.qconfig = per_channel_dynamic_qconfig
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             int8_layer = Int8Linear(source) if vnni else DynamicLinear.from_float(source)
-        if isinstance(first[(n_in, n_out)], SmallBatchLinear):  # time it on the model's own path (small_gemm)
-            float_layer = SmallBatchLinear(float_layer, first[(n_in, n_out)].small_batch_rows)
+        if isinstance(layer, SmallBatchLinear):  # time it on the model's own path (small_gemm)
+            float_layer = SmallBatchLinear(float_layer, layer.small_batch_rows)
+        elif isinstance(layer, quant.QuantLinear):
+            float_layer = layer
         for r in rows:
             x = torch.randn(r, n_in)
             xf = x.to(float_layer.weight.dtype)

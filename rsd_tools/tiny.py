@@ -166,3 +166,52 @@ def build_tiny_vocab_pair(
 ) -> tuple[Path, Path]:
     """A pair with a vocabulary small enough to enumerate (statistical tests): 4 specials + words."""
     return build_tiny_pair(out_dir, family, vocab_size, seed)
+
+
+# Every type the quantised kernel computes from, and the float ones, in one target (K-quants need K % 256 == 0).
+TARGET_GGUF_TYPES = {
+    "attn_q": "Q4_K",
+    "attn_k": "Q5_0",
+    "attn_v": "Q6_K",
+    "attn_output": "Q8_0",
+    "ffn_gate": "Q4_K",
+    "blk.0.ffn_up": "F16",
+    "blk.1.ffn_up": "BF16",
+    "ffn_down": "Q6_K",
+    "token_embd": "Q8_0",
+    "output": "Q6_K",
+}
+DRAFT_GGUF_TYPES = {"attn_q": "Q5_0", "attn_k": "Q5_0", "ffn_down": "Q4_K", "output": "Q8_0"}  # else Q8_0
+
+
+def build_tiny_gguf_pair(
+    out_dir: str | Path, family: str = "qwen2", vocab_size: int = 256, seed: int = 0, **kwargs
+) -> tuple[Path, Path]:
+    """The tiny pair of build_tiny_pair (hidden size 256 unless given) written as GGUF folders, as `rsd
+    provision` lays out a real pair: <root>-gguf/{draft,target}/model.gguf beside the tokenizer files.
+    Types: TARGET_GGUF_TYPES and DRAFT_GGUF_TYPES (rsd_tools.gguf_export). Reused when complete."""
+    from transformers import AutoModelForCausalLM
+
+    from rsd_runtime.gguf_model import gguf_config
+    from rsd_tools.gguf_export import write_gguf
+
+    kwargs.setdefault("hidden_size", 256)
+    draft_dir, target_dir = build_tiny_pair(out_dir, family, vocab_size, seed, **kwargs)
+    root = draft_dir.parent.with_name(draft_dir.parent.name + "-gguf")
+    if (root / _DONE).is_file():
+        return root / "draft", root / "target"
+    tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}-", dir=root.parent))
+    for src, sub, types in ((draft_dir, "draft", DRAFT_GGUF_TYPES), (target_dir, "target", TARGET_GGUF_TYPES)):
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+        gguf_config(write_gguf(model, tmp / sub / "model.gguf", types)).save_pretrained(tmp / sub)
+        for f in src.iterdir():  # the tokenizer files (the GGUF's own vocabulary is a placeholder)
+            if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+                shutil.copy(f, tmp / sub / f.name)
+    (tmp / _DONE).touch()
+    try:
+        tmp.rename(root)
+    except OSError:
+        if not (root / _DONE).is_file():
+            raise
+        shutil.rmtree(tmp)
+    return root / "draft", root / "target"

