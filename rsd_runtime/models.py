@@ -339,7 +339,7 @@ def int8_speedup(model: torch.nn.Module, rows: tuple[int, ...] = (1, 4), reps: i
             float_layer = layer
         for r in rows:
             x = torch.randn(r, n_in)
-            xf = x.to(float_layer.weight.dtype)
+            xf = x if isinstance(float_layer, quant.QuantLinear) else x.to(float_layer.weight.dtype)
             best = {"float": float("inf"), "int8": float("inf")}
             for rep in range(reps + 1):  # rep 0 warms up
                 for kind, fn in (("float", partial(float_layer, xf)), ("int8", partial(int8_layer, x))):

@@ -4,7 +4,7 @@
     rsd generate --server 127.0.0.1:7000 --prompt "def f(x):"   # through a running gateway
     rsd cluster [--tiny] [--keep-running]   # start redis, verifier, drafter, gateway as processes
     rsd cluster --tiny --verifiers 2 --secure --keep-running   # any size, secured, restarting the dead
-    rsd provision                       # fetch, hash-check and convert the real Qwen2.5-Coder pair
+    rsd provision                       # fetch and hash-check the real Qwen2.5-Coder pair (GGUF)
     rsd bench <name> ...                # a benchmark (rsd_bench; added by the console script, rsd_cli)
 
 Without --draft/--target, `generate` uses the real pair (provisioned on first use, then cached);
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None, more: dict[str, tuple[str, Command]] | N
     ap = argparse.ArgumentParser(prog="rsd", description="Recursive Speculative Decoding")
     sub = ap.add_subparsers(dest="command", required=True)
     _add_generate(sub)
-    prov = sub.add_parser("provision", help="fetch, verify and convert the real Qwen2.5-Coder pair")
+    prov = sub.add_parser("provision", help="fetch and verify the real Qwen2.5-Coder pair (GGUF; --fp32 also dequantises)")
     prov.add_argument("--cache-dir", type=Path, default=None)
     sub.add_parser(
         "cluster",

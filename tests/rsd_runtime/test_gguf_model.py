@@ -19,7 +19,7 @@ from rsd_runtime import quant
 from rsd_runtime.generator import SpeculativeGenerator
 from rsd_runtime.gguf_model import gguf_config, gguf_file, load_gguf
 from rsd_runtime.lean import lean_decoder, use_lean_forward
-from rsd_runtime.models import batch_variance, int8_unsupported, load_model, prepare_draft
+from rsd_runtime.models import batch_variance, int8_speedup, int8_unsupported, load_model, prepare_draft
 from rsd_runtime.runner import ModelRunner
 from rsd_tools.gguf_export import write_gguf
 from rsd_tools.tiny import build_tiny_gguf_pair, build_tiny_pair
@@ -120,6 +120,7 @@ def test_a_gguf_drafter_prunes_its_vocabulary_and_takes_int8(gguf_pair):
     draft, target = load_model(draft_dir), load_model(target_dir)
     if int8_unsupported(draft):
         pytest.skip(int8_unsupported(draft))
+    assert int8_speedup(draft) > 0  # what quantize "auto" measures: int8 against the GGUF blocks
     assert prepare_draft(draft, draft_vocab=100, quantize="int8") == "int8"
     assert not any(isinstance(m, quant.QuantLinear) for m in draft.modules())
     gen = SpeculativeGenerator(ModelRunner(target, 256), ModelRunner(draft, 256))
