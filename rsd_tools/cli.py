@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None, more: dict[str, tuple[str, Command]] | N
     ap = argparse.ArgumentParser(prog="rsd", description="Recursive Speculative Decoding")
     sub = ap.add_subparsers(dest="command", required=True)
     _add_generate(sub)
-    prov = sub.add_parser("provision", help="fetch and verify the real Qwen2.5-Coder pair (GGUF; --fp32 also dequantises)")
+    prov = sub.add_parser("provision", help="fetch and verify the real pair (GGUF; --fp32 also dequantises)")
     prov.add_argument("--cache-dir", type=Path, default=None)
     sub.add_parser(
         "cluster",
