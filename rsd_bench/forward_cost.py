@@ -9,10 +9,14 @@ and summarised by the minimum over reps (a background load only ever adds time):
     f_linear     torch's F.linear everywhere (MKL / oneDNN)
     torch        use_small_batch_linear's `weight @ x.T` (rows padded to a multiple of 8)
     small_gemm   rsd_runtime.small_gemm: each weight streamed once for all rows (AVX2, AVX512-BF16, AMX-BF16)
+    gguf         a GGUF target on its own quantised blocks (rsd_runtime.quant); the other kernels then run on
+                 the same model dequantised to float32 (the fp32 detour), in the same run
 
 The prompt sits in the KV cache first (--context tokens), so attention is realistic. Also checks that a
 tree's logits stay within float rounding of the one-token path (the max difference is reported).
-Writes benchmarks/results/<name>.json and .md, with the CPU flags and the placement.
+Each row also gives the weights read a second (every weight once a forward) as a fraction of the machine's
+read bandwidth, measured in the same run (a sum over a 2 GiB tensor on the same threads): how close a forward
+comes to the memory's limit. Writes benchmarks/results/<name>.json and .md, with the CPU flags and the placement.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from rsd_service.placement import add_placement_flags, apply_placement
 from rsd_tools.defaults import RESULTS_DIR
 
 KERNELS = ("f_linear", "torch", "small_gemm")  # rsd_runtime.linear.LINEAR_KERNELS (torch loads after placement)
+GGUF_KERNELS = ("gguf", "small_gemm")  # the default for a GGUF target
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,9 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--cache-dir", type=Path, default=None)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--tokens", default="1,2,4,6,8,12,16", help="forward sizes (comma-separated)")
-    ap.add_argument("--kernels", default=",".join(KERNELS), help=f"some of {','.join(KERNELS)}")
+    ap.add_argument("--kernels", help=f"some of {','.join(KERNELS)} (gguf too for a GGUF target; default: all)")
     ap.add_argument("--context", type=int, default=128, help="tokens in the cache before the timed forwards")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--bandwidth-gib", type=float, default=2, help="GiB read to measure the read bandwidth")
     ap.add_argument("--name", default="cpu-forward-cost")
     ap.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     add_placement_flags(ap)
@@ -48,46 +54,68 @@ def main(argv: list[str] | None = None) -> int:
     placement = apply_placement(args.cores, args.threads)
     import torch
 
+    from rsd_runtime.gguf_model import gguf_file, load_gguf
     from rsd_runtime.linear import set_linear_kernel, use_small_batch_linear
-    from rsd_runtime.models import load_model
+    from rsd_runtime.models import load_model, parse_dtype
     from rsd_runtime.runner import ModelRunner
     from rsd_tools.provision import provision_pair
 
     target_dir = args.target or provision_pair(args.cache_dir)["target"]
-    model = load_model(target_dir, "cpu", args.dtype)
-    use_small_batch_linear(model, 64)
-    runner = ModelRunner(model, max_len=args.context + 64)
+    file = gguf_file(target_dir)
+    kernels = (args.kernels or ",".join(GGUF_KERNELS if file else KERNELS)).split(",")
+    models = {}
+    if file and "gguf" in kernels:
+        models["gguf"] = load_model(target_dir, "cpu", args.dtype)
+    if any(k != "gguf" for k in kernels):  # a GGUF target's fp32 detour: the same weights, dequantised
+        plain = (
+            load_gguf(file, quantized=False).to(parse_dtype(args.dtype))
+            if file
+            else load_model(target_dir, "cpu", args.dtype)
+        )
+        use_small_batch_linear(plain, 64)
+        models.update({k: plain for k in kernels if k != "gguf"})
+    runners = {id(m): ModelRunner(m, max_len=args.context + 64) for m in models.values()}
     sizes = sorted({int(n) for n in args.tokens.split(",")} | {1})
-    kernels = args.kernels.split(",")
-    prompt = torch.randint(0, model.config.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0))
+    vocab = next(iter(models.values())).config.vocab_size
+    prompt = torch.randint(0, vocab, (args.context,), generator=torch.Generator().manual_seed(0))
 
-    def forward(n: int):
+    def forward(kernel: str, n: int):
+        runner = runners[id(models[kernel])]
         out = runner.forward(torch.full((n,), int(prompt[-1])), torch.arange(-1, n - 1))  # a chain of n
         runner.commit([])  # drop the tentative tokens: the cache keeps the prompt
         return out
 
-    runner.forward(prompt, torch.arange(-1, args.context - 1))
-    runner.commit(list(range(args.context)))
+    def use(kernel: str) -> None:
+        if kernel != "gguf":
+            set_linear_kernel(models[kernel], kernel, 64)
+
+    for runner in runners.values():
+        runner.forward(prompt, torch.arange(-1, args.context - 1))
+        runner.commit(list(range(args.context)))
     times: dict[tuple[str, int], list[float]] = {(k, n): [] for k in kernels for n in sizes}
     rounding: dict[str, float] = {}
     for rep in range(args.reps + 1):  # rep 0 warms up
         for kernel in kernels:
-            set_linear_kernel(model, kernel, 64)
+            use(kernel)
             for n in sizes:
                 t = time.perf_counter()
-                forward(n)
+                forward(kernel, n)
                 if rep:
                     times[(kernel, n)].append(1000 * (time.perf_counter() - t))
     for kernel in kernels:  # a chain's first row is the one-token forward: same logits up to rounding
-        set_linear_kernel(model, kernel, 64)
-        one, many = forward(1)[0], forward(max(sizes))[0]
+        use(kernel)
+        one, many = forward(kernel, 1)[0], forward(kernel, max(sizes))[0]
         rounding[kernel] = float((one.float() - many.float()).abs().max())
+    bandwidth = read_bandwidth_gbps(args.bandwidth_gib)
+    weight_gb = {k: weight_bytes(models[k]) / 1e9 for k in kernels}
     rows = []
     for kernel in kernels:
         base = min(times[(kernel, 1)])
         for n in sizes:
             ms = min(times[(kernel, n)])
-            rows.append({"kernel": kernel, "tokens": n, "ms": round(ms, 1), "ratio_to_1_token": round(ms / base, 3)})
+            row = {"kernel": kernel, "tokens": n, "ms": round(ms, 1), "ratio_to_1_token": round(ms / base, 3)}
+            row["bandwidth_fraction"] = round(weight_gb[kernel] / (ms / 1000) / bandwidth, 3)
+            rows.append(row)
     fastest_one = min(min(times[(k, 1)]) for k in kernels)
     for r in rows:
         r["ratio_to_fastest_1_token"] = round(r["ms"] / fastest_one, 3)
@@ -102,10 +130,34 @@ def main(argv: list[str] | None = None) -> int:
         "placement": {"cores": placement.cores, "threads": placement.threads},
         "machine": machine_info(),
         "max_abs_logit_diff_first_row_vs_one_token": rounding,
+        "read_bandwidth_gbps": round(bandwidth, 1),
+        "weight_gb": {k: round(v, 3) for k, v in weight_gb.items()},
         "rows": rows,
     }
     write_result(args.out_dir, args.name, result, markdown(result))
     return 0
+
+
+def read_bandwidth_gbps(gib: float = 2, reps: int = 3) -> float:
+    """GB/s of reading a `gib` GiB float32 tensor once (torch's sum on the current threads; the best of reps)."""
+    import torch
+
+    x = torch.ones(int(gib * (1 << 28)))
+    best = float("inf")
+    for _ in range(reps + 1):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best / 1e9
+
+
+def weight_bytes(model) -> int:
+    """Bytes a forward reads of the model's linear weights and head (parameters and GGUF blocks; embeddings are
+    looked up, not read whole)."""
+    embed = model.get_input_embeddings().weight
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()] if t is not None and t.dim() == 2}
+    tensors.pop(id(embed), None)
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def markdown(result: dict) -> str:
@@ -121,11 +173,16 @@ def markdown(result: dict) -> str:
         f"CPU: {m.get('cpu_model', '?')}; flags: {' '.join(m.get('cpu_flags', []))}"
         + (f"; small_gemm is {m['small_gemm_kernels'].get(result['dtype'])}." if m.get("small_gemm_kernels") else "."),
         "",
-        "| tokens | " + " | ".join(f"{k} ms (x its 1 token)" for k in kernels) + " |",
+        f"Read bandwidth measured in the run: {result.get('read_bandwidth_gbps', '?')} GB/s; weights read a forward: "
+        + ", ".join(f"{k} {v:.2f} GB" for k, v in result.get("weight_gb", {}).items())
+        + ". In brackets: x its 1 token; that forward's weight bytes a second over the read bandwidth.",
+        "",
+        "| tokens | " + " | ".join(f"{k} ms (x 1 token; of bandwidth)" for k in kernels) + " |",
         "| --- | " + " | ".join("---" for _ in kernels) + " |",
     ]
     for n in sizes:
-        cells = [f"{by[(k, n)]['ms']:.0f} ({by[(k, n)]['ratio_to_1_token']:.2f}x)" for k in kernels]
+        rows = [by[(k, n)] for k in kernels]
+        cells = [f"{r['ms']:.0f} ({r['ratio_to_1_token']:.2f}x; {r.get('bandwidth_fraction', 0):.2f})" for r in rows]
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     diffs = ", ".join(f"{k} {v:.1e}" for k, v in result["max_abs_logit_diff_first_row_vs_one_token"].items())
     lines += ["", f"Max |logit difference| of a chain's first row against the one-token forward: {diffs}.", ""]
