@@ -116,19 +116,35 @@ REBUILD rebuild_q5_0(const uint8_t* row, int64_t k0, int64_t n, float* out) {
     }
 }
 
+/* The 8 scales and 8 mins of a Q4_K block (6 bits each, packed in 12 bytes as ggml's get_scale_min_k4 reads
+   them), unpacked 4 at a time in 32-bit words (ggml's own trick): sc[j] = byte j of out[0..1], m[j] of out[2..3]. */
+static inline void q4_k_scales(const uint8_t* s, uint32_t out[4]) {
+    uint32_t u[3];
+    memcpy(u, s, 12);
+    const uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+    out[0] = u[0] & k1;
+    out[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+    out[2] = u[1] & k1;
+    out[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+}
+
 REBUILD rebuild_q4_k(const uint8_t* row, int64_t k0, int64_t n, float* out) {
     (void)n;
     const uint8_t* blk = row + k0 / CK * 144;
-    const uint8_t *sm = blk + 4, *qs = blk + 16;
-    const float d = f16(blk), dmin = f16(blk + 2);
+    const uint8_t* qs = blk + 16;
+    uint32_t packed[4];
+    q4_k_scales(blk + 4, packed);
+    float D[8], M[8]; /* d * sc and dmin * m, one float32 product each as dequantize's */
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)packed));     /* sc[0..7] */
+    const __m256i mins = _mm256_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(packed + 2))); /* m[0..7] */
+    _mm256_storeu_ps(D, _mm256_mul_ps(_mm256_set1_ps(f16(blk)), _mm256_cvtepi32_ps(bytes)));
+    _mm256_storeu_ps(M, _mm256_mul_ps(_mm256_set1_ps(f16(blk + 2)), _mm256_cvtepi32_ps(mins)));
 #pragma GCC unroll 8
-    for (int j = 0; j < 8; j++) { /* sub-block j: 32 weights, a 6-bit scale and min */
-        const int sc = j < 4 ? sm[j] & 63 : (sm[j + 4] & 15) | ((sm[j - 4] >> 6) << 4);
-        const int m = j < 4 ? sm[j + 4] & 63 : (sm[j + 4] >> 4) | ((sm[j] >> 6) << 4);
-        const vf D = VSET1(d * (float)sc), M = VSET1(dmin * (float)m);
+    for (int j = 0; j < 8; j++) { /* sub-block j: 32 weights */
+        const vf Dj = VSET1(D[j]), Mj = VSET1(M[j]);
         const uint8_t* q = qs + 32 * (j / 2); /* low nibbles: sub-block 2c, high ones: 2c + 1 */
 #if VW == 16 /* the 16 values a code can take, computed as below, then looked up */
-        const vf table = VSUB(VMUL(D, VCVT(ILANES())), M);
+        const vf table = VSUB(VMUL(Dj, VCVT(ILANES())), Mj);
         for (int l = 0; l < 32; l += VW) {
             const vi nib = j % 2 ? ISRL(U8(q + l), 4) : IAND(U8(q + l), ISET1(15));
             VSTORE(out + 32 * j + l, _mm512_permutexvar_ps(nib, table));
@@ -136,7 +152,7 @@ REBUILD rebuild_q4_k(const uint8_t* row, int64_t k0, int64_t n, float* out) {
 #else
         for (int l = 0; l < 32; l += VW) {
             const vi nib = j % 2 ? ISRL(U8(q + l), 4) : IAND(U8(q + l), ISET1(15));
-            VSTORE(out + 32 * j + l, VSUB(VMUL(D, VCVT(nib)), M)); /* (d * sc) * q - dmin * m */
+            VSTORE(out + 32 * j + l, VSUB(VMUL(Dj, VCVT(nib)), Mj)); /* (d * sc) * q - dmin * m */
         }
 #endif
     }
@@ -148,6 +164,11 @@ REBUILD rebuild_q6_k(const uint8_t* row, int64_t k0, int64_t n, float* out) {
     const int8_t* sc = (const int8_t*)(blk + 192);
     const float d = f16(blk + 208);
     const __m128i low4 = _mm_set1_epi8(15), low2 = _mm_set1_epi8(3), bias = _mm_set1_epi8(32);
+    float D[16]; /* d * sc, one float32 product each as dequantize's */
+    const __m128i sc16 = _mm_loadu_si128((const __m128i*)sc);
+    const __m256 dv = _mm256_set1_ps(d);
+    _mm256_storeu_ps(D, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc16))));
+    _mm256_storeu_ps(D + 8, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc16, 8)))));
     for (int e = 0; e < CK; e += 16) { /* e = 128 h + 64 t + l: low 4 bits from ql[64 h + l] >> 4 t, high */
         const int h = e / 128, t = e % 128 / 64, l = e % 64; /* 2 from qh[32 h + l % 32] >> 2 (2 t + l / 32) */
         const __m128i ql = _mm_loadu_si128((const __m128i*)(blk + 64 * h + l));
@@ -155,12 +176,12 @@ REBUILD rebuild_q6_k(const uint8_t* row, int64_t k0, int64_t n, float* out) {
         const __m128i lo = _mm_and_si128(_mm_srli_epi16(ql, 4 * t), low4); /* 16 codes as bytes */
         const __m128i hi = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(qh, 2 * (2 * t + l / 32)), low2), 4);
         const __m128i q = _mm_sub_epi8(_mm_or_si128(lo, hi), bias); /* q - 32 in [-32, 31] */
-        const vf D = VSET1(d * (float)sc[e / 16]);
+        const vf De = VSET1(D[e / 16]);
 #if VW == 16
-        VSTORE(out + e, VMUL(D, VCVT(_mm512_cvtepi8_epi32(q)))); /* (d * sc) * (q - 32) */
+        VSTORE(out + e, VMUL(De, VCVT(_mm512_cvtepi8_epi32(q)))); /* (d * sc) * (q - 32) */
 #else
-        VSTORE(out + e, VMUL(D, VCVT(_mm256_cvtepi8_epi32(q))));
-        VSTORE(out + e + 8, VMUL(D, VCVT(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)))));
+        VSTORE(out + e, VMUL(De, VCVT(_mm256_cvtepi8_epi32(q))));
+        VSTORE(out + e + 8, VMUL(De, VCVT(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)))));
 #endif
     }
 }
