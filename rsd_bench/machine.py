@@ -62,7 +62,7 @@ def machine_info() -> dict:
     import torch
     import transformers
 
-    from rsd_runtime import row_attention, small_gemm
+    from rsd_runtime import quant, row_attention, small_gemm
 
     return {
         **cpu_info(),
@@ -74,6 +74,7 @@ def machine_info() -> dict:
             for dtype in (torch.float32, torch.bfloat16, torch.int8)
         },
         "row_attention": row_attention.available(),  # each query row reduced alone (batch-invariant attention)
+        "quant_kernel": quant.kernel_name(),  # GGUF blocks: "avx512", "avx2" (None: dequantised on load)
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
