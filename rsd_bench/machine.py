@@ -101,7 +101,18 @@ def cpu_info() -> dict:
 
 
 # The CPU features that decide what is fast here (bf16 and int8 dot products, vector width).
-_NOTABLE_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_bf16", "amx_int8")
+_NOTABLE_FLAGS = (
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx_vnni",
+    "amx_bf16",
+    "amx_int8",
+)
 
 
 def _cpu_flags() -> list[str]:
