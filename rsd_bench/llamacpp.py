@@ -219,9 +219,10 @@ def llamacpp_version(bin_dir: Path) -> str:
 
 
 def llamacpp_row(
-    method: str, shape: str, t: float, runs: list[LlamaRun], target_runs: list[LlamaRun], max_new_tokens: int
+    method: str, shape: str, t: float, runs: list[LlamaRun], target_runs: list[LlamaRun] | None, max_new_tokens: int
 ) -> dict:
-    """target_runs: llama.cpp's target alone on the same prompts and seeds (what T = 0 must equal).
+    """target_runs: llama.cpp's target alone on the same prompts and seeds (what T = 0 must equal; None for
+    the target alone's own row).
 
     llama-speculative-simple's last steps draft without limit (a draft limit of 0 reads as none), so it
     commits up to a draft past max_new_tokens: tokens/s counts max_new_tokens of them over all its time;
@@ -239,7 +240,9 @@ def llamacpp_row(
         "decode_tokens_per_s": round(tokens / sum(r.decode_s for r in runs), 4),  # llama.cpp's own figure
         "block_efficiency": round(sum(r.num_tokens for r in runs) / sum(r.num_steps for r in runs), 3),
         "acceptance": round(sum(r.num_accepted or 0 for r in runs) / drafted, 3) if drafted else None,
-        "matches_target": all(_same_text(r, a) for r, a in zip(runs, target_runs, strict=True)) if t == 0 else None,
+        "matches_target": None
+        if t != 0 or target_runs is None
+        else all(_same_text(r, a) for r, a in zip(runs, target_runs, strict=True)),
     }
 
 
@@ -306,9 +309,18 @@ def cpu_class(flags: list[str]) -> str:
     )
 
 
+COLUMNS = (
+    "system", "method", "shape", "T", "tokens", "tok/s", "x llama.cpp target alone", "x own target alone",
+    "block efficiency", "acceptance", "matches target (T=0)",
+)  # fmt: skip
+
+
+def _cell(value) -> str:
+    return "-" if value is None else f"{value:.2f}" if isinstance(value, float) else str(value)
+
+
 def markdown(result: dict) -> str:
     m, ll = result["machine"], result["llamacpp"]
-    cell = lambda v, f="{:.2f}": "-" if v is None else f.format(v) if not isinstance(v, bool) else str(v)  # noqa: E731
     lines = [
         f"# rsd against llama.cpp on the same GGUF files ({Path(result['target_gguf']).name}, draft "
         f"{Path(result['draft_gguf']).name})",
@@ -323,22 +335,21 @@ def markdown(result: dict) -> str:
         "llama-speculative-simple (a draft chain of at most --spec-draft-n-max tokens; each position keeps the "
         "draft token when the target's sample equals it, so T > 0 follows the target's law), on cores "
         f"{result['llamacpp_cores']}. Both sides read the prompts with the GGUF's vocabulary "
-        f"(prompt token counts equal: {cell(result['prompt_tokens_equal'])}).",
+        f"(prompt token counts equal: {_cell(result['prompt_tokens_equal'])}).",
         "",
         "tok/s: all generated tokens over all prompt + generation time (model loading excluded; rsd's through the "
         "gateway). Block efficiency: tokens per target forward. Acceptance: accepted / drafted tokens. Matches "
-        "target: at T = 0, the same output as that system's target alone on every prompt.",
+        "target: at T = 0, the same output as that system's target alone on every prompt. llama.cpp stops at any "
+        "of the GGUF's end-of-generation tokens, rsd at its tokenizer's EOS.",
         "",
-        "| system | method | shape | T | tok/s | x llama.cpp target alone | x own target alone | block efficiency "
-        "| acceptance | matches target (T=0) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| " + " | ".join(COLUMNS) + " |",
+        "| " + " | ".join("---" for _ in COLUMNS) + " |",
     ]
     for r in result["rows"]:
-        lines.append(
-            f"| {r['system']} | {r['method']} | {r['shape']} | {r['temperature']:g} | {r['tokens_per_s']:.2f} | "
-            f"{cell(r['vs_llamacpp_target'])} | {cell(r['vs_own_target'])} | {r['block_efficiency']:.2f} | "
-            f"{cell(r['acceptance'])} | {'' if r['matches_target'] is None else r['matches_target']} |"
-        )
+        cells = [r["system"], r["method"], r["shape"], f"{r['temperature']:g}", r["tokens"], r["tokens_per_s"]]
+        cells += [r["vs_llamacpp_target"], r["vs_own_target"], r["block_efficiency"], r["acceptance"]]
+        matches = "" if r["matches_target"] is None else str(r["matches_target"])
+        lines.append("| " + " | ".join(_cell(c) for c in cells) + f" | {matches} |")
     if result.get("rsd") is None:
         lines += ["", "rsd's side did not run (--llamacpp-only)."]
     return "\n".join(lines) + "\n"
@@ -363,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="prompt i runs with seed + i")
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--methods", default="rsd_s:3x4;sd:4", help="rsd's methods, as disaggregated's --methods")
-    ap.add_argument("--draft-max", default="8", help="llama.cpp's draft lengths, comma-separated: a row each")
+    ap.add_argument("--draft-max", default="4,8", help="llama.cpp's draft lengths, comma-separated: a row each")
     ap.add_argument("--rsd-args", default="", help="more `rsd_bench.disaggregated` flags (placement, --predraft)")
     ap.add_argument("--llamacpp-only", action="store_true", help="skip rsd's side")
     ap.add_argument("--llamacpp-cache", type=Path, help="where llama.cpp is built (default ~/.cache/rsd/llamacpp)")
@@ -400,7 +411,7 @@ def llamacpp_runs(bin_dir: Path, target: Path, draft: Path, prompts: list[str], 
             alone.append(run(prompt, args.max_new_tokens, t, args.seed + i))
             for d in draft_maxes:
                 spec[d].append(run(prompt, args.max_new_tokens, t, args.seed + i, d))
-        rows.append(llamacpp_row("target alone", "", t, alone, alone, args.max_new_tokens))
+        rows.append(llamacpp_row("target alone", "", t, alone, None, args.max_new_tokens))
         rows += [
             llamacpp_row("speculative", f"draft-max {d}", t, spec[d], alone, args.max_new_tokens) for d in draft_maxes
         ]

@@ -71,8 +71,8 @@ def test_llamacpp_rows_count_max_new_tokens_and_match_by_prefix():
     stopped_early = [_run("abc", 8, 2.0), _run("xyz", 4, 0.5, accepted=3, drafted=3)]  # the target stopped at EOS
     assert llamacpp.llamacpp_row("speculative", "", 0.0, stopped_early, alone, 8)["matches_target"] is False
     assert llamacpp.llamacpp_row("speculative", "", 1.0, spec, alone, 8)["matches_target"] is None
-    target = llamacpp.llamacpp_row("target alone", "", 0.0, alone, alone, 8)
-    assert target["block_efficiency"] == 1.0 and target["acceptance"] is None and target["matches_target"] is True
+    target = llamacpp.llamacpp_row("target alone", "", 0.0, alone, None, 8)
+    assert target["block_efficiency"] == 1.0 and target["acceptance"] is None and target["matches_target"] is None
 
 
 def _disaggregated_result():
@@ -94,9 +94,15 @@ def _rows():
         for t in (0.0, 1.0)
     ]
     llama += [{"system": "llama.cpp", "method": "speculative", "shape": "draft-max 8", "temperature": 0.0}]
-    llama[-1] |= {"tokens_per_s": 12.0, "block_efficiency": 3.5, "acceptance": 0.5, "matches_target": False}
+    llama[-1] |= {
+        "tokens": 250,
+        "tokens_per_s": 12.0,
+        "block_efficiency": 3.5,
+        "acceptance": 0.5,
+        "matches_target": False,
+    }
     for r in llama[:2]:
-        r |= {"block_efficiency": 1.0, "acceptance": None, "matches_target": None}
+        r |= {"tokens": 256, "block_efficiency": 1.0, "acceptance": None, "matches_target": None}
     return llamacpp.add_ratios(llama + llamacpp.rsd_rows(_disaggregated_result()))
 
 
@@ -136,8 +142,8 @@ def _result(rows, rsd=True):
 
 def test_markdown_has_a_row_per_system_method_and_t():
     text = llamacpp.markdown(_result(_rows()))
-    assert "| llama.cpp | speculative | draft-max 8 | 0 | 12.00 | 1.50 | 1.50 | 3.50 | 0.50 | False |" in text
-    assert "| rsd | rsd_s | 3x4, pre-drafting | 0 | 10.00 | 1.25 | 2.00 | 3.10 | - | True |" in text
+    assert "| llama.cpp | speculative | draft-max 8 | 0 | 250 | 12.00 | 1.50 | 1.50 | 3.50 | 0.50 | False |" in text
+    assert "| rsd | rsd_s | 3x4, pre-drafting | 0 | 256 | 10.00 | 1.25 | 2.00 | 3.10 | - | True |" in text
     assert "prompt token counts equal: True" in text and "-DGGML_NATIVE=ON" in text
     assert "did not run" in llamacpp.markdown(_result(_rows(), rsd=False))
     headline = index.headline(_result(_rows()))
@@ -145,9 +151,9 @@ def test_markdown_has_a_row_per_system_method_and_t():
 
 
 def test_flags_and_registration():
-    args = llamacpp.build_parser().parse_args(["--target", "t", "--draft", "d", "--draft-max", "4,8"])
+    args = llamacpp.build_parser().parse_args(["--target", "t", "--draft", "d", "--draft-max", "6"])
     assert (args.threads, args.num_prompts, args.max_new_tokens, args.temperatures) == (2, 4, 64, "0,1")
-    assert args.draft_max == "4,8" and not args.llamacpp_only and args.methods == "rsd_s:3x4;sd:4"
+    assert args.draft_max == "6" and not args.llamacpp_only and args.methods == "rsd_s:3x4;sd:4"
     assert cli.BENCHMARKS["vs_llamacpp"][0] == "rsd_bench.llamacpp"
     assert [llamacpp.cpu_class(f) for f in (["avx2"], ["avx2", "avx512f"], ["avx512f", "amx_bf16"], [])] == [
         "avx2",
