@@ -42,7 +42,7 @@ CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DGGML_NATIVE=ON",  # -march=native: the same CPU features rsd's kernels may use
     "-DBUILD_SHARED_LIBS=OFF",
-    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_CURL=OFF",  # older llama.cpp's download support (this version has it off and warns: deprecated)
     "-DLLAMA_OPENSSL=OFF",
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_SERVER=OFF",
@@ -57,7 +57,7 @@ def default_cache_dir() -> Path:
 
 def build_llamacpp(cache_dir: Path | None = None, version: str = LLAMACPP_PYTHON_VERSION) -> Path:
     """The bin dir holding TOOLS, built from llama-cpp-python's sdist at <cache_dir>/<version>/ once; a rerun
-    finds build.json there and builds nothing. The compile runs niced on os.cpu_count() jobs."""
+    finds build.json there and builds nothing. The compile runs niced, a job per core this process may use."""
     root = (cache_dir or default_cache_dir()) / version
     bin_dir = root / "bin"
     if (root / "build.json").is_file() and all((bin_dir / tool).is_file() for tool in TOOLS):
@@ -72,7 +72,7 @@ def build_llamacpp(cache_dir: Path | None = None, version: str = LLAMACPP_PYTHON
             tar.extractall(work, filter="data")
         (src,) = work.glob("llama_cpp_python-*/vendor/llama.cpp")
         build = work / "build"
-        jobs = os.cpu_count() or 1
+        jobs = len(os.sched_getaffinity(0))  # the cores this process may use: the build is bounded to them
         t0 = time.perf_counter()
         nice = ["nice", "-n", str(BUILD_NICE)]
         subprocess.run([*nice, "cmake", "-S", str(src), "-B", str(build), *CMAKE_FLAGS], check=True)
