@@ -25,6 +25,10 @@ BENCHMARKS = {
         "rsd_bench.disaggregated",
         "the pipeline through the real services (redis, verifier, drafter, gateway) against the target alone",
     ),
+    "vs_llamacpp": (
+        "rsd_bench.llamacpp",
+        "llama.cpp's target alone and speculative mode against rsd's, same GGUF files, prompts and threads",
+    ),
     "services": ("rsd_bench.services", "the services' overhead against in-process, N concurrent sessions, step split"),
     "loadtest": ("rsd_bench.loadtest", "N concurrent clients against a gateway: latency, throughput, memory"),
     "forward_cost": ("rsd_bench.forward_cost", "a target forward of n tokens against one, per linear kernel"),

@@ -76,6 +76,15 @@ def _disaggregated(r: dict) -> str:
     return f"{speedup:.2f}x the target alone on the whole machine: {how}, T={best['temperature']:g}"
 
 
+def _vs_llamacpp(r: dict) -> str:
+    best = _best([row for row in r["rows"] if row["system"] == "rsd"], "vs_llamacpp_target")
+    llama = _best([row for row in r["rows"] if row["system"] == "llama.cpp"], "vs_llamacpp_target")
+    return (
+        f"rsd {best['vs_llamacpp_target']:.2f}x llama.cpp's target alone ({best['method']} {best['shape']}, "
+        f"T={best['temperature']:g}); llama.cpp's best {llama['vs_llamacpp_target']:.2f}x"
+    )
+
+
 def _services(r: dict) -> str:
     if r.get("capacity"):
         best = _best(r["capacity"], "speedup_vs_1")
@@ -125,6 +134,7 @@ def _gpu_check(r: dict) -> str:
 HEADLINES: dict[str, Callable[[dict], str]] = {
     "methods": _methods,
     "disaggregated": _disaggregated,
+    "vs_llamacpp": _vs_llamacpp,
     "services": _services,
     "forward_cost": _forward_cost,
     "prefill_cost": _prefill_cost,
