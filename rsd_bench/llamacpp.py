@@ -352,7 +352,28 @@ def markdown(result: dict) -> str:
         lines.append("| " + " | ".join(_cell(c) for c in cells) + f" | {matches} |")
     if result.get("rsd") is None:
         lines += ["", "rsd's side did not run (--llamacpp-only)."]
+    else:
+        lines += ["", *split_table(result["rsd"])]
     return "\n".join(lines) + "\n"
+
+
+SPLIT = ("draft_ms", "transfer_ms", "queue_ms", "verify_ms", "residual_ms", "step_ms")
+
+
+def split_table(rsd: dict) -> list[str]:
+    """rsd's mean step by part (rsd_bench.disaggregated's split), where the pipeline's time goes."""
+    lines = [
+        f"rsd's step, mean ms by part (placement: {rsd.get('placement', {})}; the target's forward costs by row "
+        "count: `rsd bench forward_cost`):",
+        "",
+        "| method | shape | T | " + " | ".join(k.removesuffix("_ms") for k in SPLIT) + " |",
+        "| --- | --- | --- | " + " | ".join("---" for _ in SPLIT) + " |",
+    ]
+    for r in rsd.get("rows", []):
+        split = r.get("split") or {}
+        cells = [r["method"], r["shape"], f"{r['temperature']:g}", *(_cell(split.get(k)) for k in SPLIT)]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return lines
 
 
 # ---------------------------------------------------------------------------------------------
