@@ -67,11 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     if file and "gguf" in kernels:
         models["gguf"] = load_model(target_dir, "cpu", args.dtype)
     if any(k != "gguf" for k in kernels):  # a GGUF target's fp32 detour: the same weights, dequantised
-        plain = (
-            load_gguf(file, quantized=False).to(parse_dtype(args.dtype))
-            if file
-            else load_model(target_dir, "cpu", args.dtype)
-        )
+        plain = load_model(target_dir, "cpu", args.dtype)
+        if file:  # the same weights dequantised, with the attention load_model picked (row_sdpa where it runs)
+            attention = plain.config._attn_implementation
+            plain = load_gguf(file, quantized=False).to(parse_dtype(args.dtype))
+            plain.set_attn_implementation(attention)
         use_small_batch_linear(plain, 64)
         models.update({k: plain for k in kernels if k != "gguf"})
     runners = {id(m): ModelRunner(m, max_len=args.context + 64) for m in models.values()}
