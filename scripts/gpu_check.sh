@@ -54,7 +54,7 @@ trap 'rm -rf "$work"' EXIT
 
 test_args=()
 if [ "${RSD_SKIP_TESTS:-0}" != 1 ]; then
-    tests=(tests/rsd_runtime/test_device.py tests/rsd/test_random.py tests/rsd/test_acceptance.py tests/rsd/test_statistical.py)
+    tests=(tests/rsd_runtime/test_device.py tests/rsd_runtime/test_gguf_model.py tests/rsd/test_random.py tests/rsd/test_acceptance.py tests/rsd/test_statistical.py)
     workers=()
     if "$PY" -c 'import xdist' 2>/dev/null && [ "${RSD_TEST_WORKERS:-8}" -gt 1 ]; then
         workers=(-n "${RSD_TEST_WORKERS:-8}")

@@ -8,6 +8,8 @@ tests write themselves (rsd_tools.gguf_export): the file's model is the model se
   sampling follows the target's law (chi-square on an enumerable vocabulary).
 - Other devices and dtypes dequantise on load; what cannot be served is refused with the reason."""
 
+import os
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -150,3 +152,18 @@ def write_gguf_of_architecture(tmp_path, arch: str):
     writer.write_tensors_to_file()
     writer.close()
     return tmp_path / f"{arch}.gguf"
+
+
+@pytest.mark.skipif(os.environ.get("RSD_TEST_DEVICE", "cpu") == "cpu", reason="RSD_TEST_DEVICE names no accelerator")
+def test_on_an_accelerator_the_file_is_dequantised_on_load(gguf_pair):
+    """scripts/gpu_check.sh: the file's float32 weights on the device, its logits the CPU blocks' to rounding."""
+    device = os.environ["RSD_TEST_DEVICE"]
+    _, target_dir = gguf_pair
+    on_device, plain = load_model(target_dir, device), load_gguf(target_dir / "model.gguf", quantized=False)
+    expected = dict(plain.named_parameters())
+    for name, p in on_device.named_parameters():
+        assert p.device.type == torch.device(device).type and torch.equal(p.cpu(), expected[name]), name
+    ids = torch.tensor([PROMPTS[2]])
+    with torch.no_grad():
+        got = on_device(ids.to(device)).logits.cpu()
+        torch.testing.assert_close(got, load_model(target_dir)(ids).logits, rtol=1e-3, atol=1e-3)
