@@ -63,15 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     target_dir = args.target or provision_pair(args.cache_dir)["target"]
     file = gguf_file(target_dir)
     kernels = (args.kernels or ",".join(GGUF_KERNELS if file else KERNELS)).split(",")
-    models = {}
-    if file and "gguf" in kernels:
-        models["gguf"] = load_model(target_dir, "cpu", args.dtype)
-    if any(k != "gguf" for k in kernels):  # a GGUF target's fp32 detour: the same weights, dequantised
-        plain = load_model(target_dir, "cpu", args.dtype)
-        if file:  # the same weights dequantised, with the attention load_model picked (row_sdpa where it runs)
-            attention = plain.config._attn_implementation
+    served = load_model(target_dir, "cpu", args.dtype)
+    models = {"gguf": served} if file and "gguf" in kernels else {}
+    if any(k != "gguf" for k in kernels):
+        plain = served
+        if file:  # a GGUF target's fp32 detour: the same weights dequantised, attending as the served model
             plain = load_gguf(file, quantized=False).to(parse_dtype(args.dtype))
-            plain.set_attn_implementation(attention)
+            plain.set_attn_implementation(served.config._attn_implementation)
         use_small_batch_linear(plain, 64)
         models.update({k: plain for k in kernels if k != "gguf"})
     runners = {id(m): ModelRunner(m, max_len=args.context + 64) for m in models.values()}

@@ -110,7 +110,7 @@ def load_gguf(path: str | Path, attn_implementation: str = "sdpa", quantized: bo
     text = config.get_text_config()
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     permuted = {"attn_q": text.num_attention_heads, "attn_k": kv_heads} if text.model_type == "llama" else {}
-    for name, t in tensors.items():
+    for name, t in sorted(tensors.items(), key=lambda item: not item[0].endswith(".bias")):  # biases first
         module_name, leaf = _module_name(name)
         module = model.get_submodule(module_name)
         qtype, shape = int(t.tensor_type), tuple(int(d) for d in reversed(t.shape))  # [N, K] or [N]
@@ -120,15 +120,10 @@ def load_gguf(path: str | Path, attn_implementation: str = "sdpa", quantized: bo
             data = data[_unpermute_rows(shape[0], permuted[kind])]
         if leaf == "weight" and isinstance(module, torch.nn.Linear) and quantized and qtype in quant.KERNEL_TYPES:
             blocks = torch.from_numpy(np.array(data))  # a copy: the model does not hold the file open
-            bias = module.bias  # its own tensor came already, or comes later (an empty placeholder till then)
-            bias = None if bias is None else bias.data if bias.device.type != "meta" else torch.empty(0)
+            bias = None if module.bias is None else module.bias.data  # set already (still meta if the file lacks it)
             _replace(model, module_name, quant.QuantLinear(blocks, qtype, shape[1], shape[0], bias))
             continue
-        value = _dequantized(data, qtype, shape)
-        if isinstance(module, quant.QuantLinear):  # a bias after its weight
-            module.bias = value
-        else:
-            setattr(module, leaf, torch.nn.Parameter(value, requires_grad=False))
+        setattr(module, leaf, torch.nn.Parameter(_dequantized(data, qtype, shape), requires_grad=False))
     _fresh_rotary(model, config)
     _check_complete(model, file)
     return model.eval().requires_grad_(False)
@@ -136,16 +131,14 @@ def load_gguf(path: str | Path, attn_implementation: str = "sdpa", quantized: bo
 
 def _dequantized(data: np.ndarray, qtype: int, shape: tuple[int, ...]) -> Tensor:
     """The float32 tensor of `shape` a GGUF tensor holds: F32 as is, F16 and BF16 widened (exact), a block type
-    rebuilt by the kernel where it runs (bit for bit gguf-py's dequantize, and far faster), else by gguf-py."""
+    as quant.float_weight gives it."""
     if qtype == 0:
         return torch.from_numpy(np.array(data, dtype=np.float32)).reshape(shape)
     if qtype == 1:
         return torch.from_numpy(np.array(data).view(np.float16).astype(np.float32)).reshape(shape)
     if qtype == 30:  # BF16: the top half of a float32
         return torch.from_numpy(np.array(data).view(np.int16)).view(torch.bfloat16).float().reshape(shape)
-    if qtype in quant.KERNEL_TYPES and quant.kernel_name() is not None:
-        return quant.rebuild(torch.from_numpy(np.array(data)), qtype, shape[-1]).reshape(shape)
-    return quant.dequantize(np.ascontiguousarray(data), qtype, shape[-1]).reshape(shape)
+    return quant.float_weight(np.ascontiguousarray(data), qtype, shape[-1]).reshape(shape)
 
 
 def _replace(model: torch.nn.Module, name: str, layer: torch.nn.Module) -> None:
@@ -154,11 +147,9 @@ def _replace(model: torch.nn.Module, name: str, layer: torch.nn.Module) -> None:
 
 
 def _check_complete(model: torch.nn.Module, file: Path) -> None:
-    """Refuse a model with a weight the file did not give (a tensor missing or an empty bias placeholder)."""
+    """Refuse a model with a weight or bias the file did not give (still on the meta device)."""
     missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     missing += [n for n, b in model.named_buffers() if b is not None and b.device.type == "meta"]
-    missing += [f"{n}.bias" for n, m in model.named_modules() if isinstance(m, quant.QuantLinear) and m.bias is not None
-                and m.bias.numel() == 0]  # fmt: skip
     if missing:
         more = " ..." if len(missing) > 5 else ""
         raise ValueError(f"{file.name} lacks tensors the model needs: {missing[:5]}{more}")
