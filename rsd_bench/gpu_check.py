@@ -120,6 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--predraft", type=int, help="outcomes the pipelined generator drafts ahead a step (full: 4)")
     ap.add_argument("--seed", type=int, default=0, help="generation seed (prompt i is seeded by seed + 1000 + i)")
     ap.add_argument("--budget-s", type=float, default=0.0, help="wall-time bound of the measurements (0: none)")
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        help="also profile N tokens of ar and each method (host ops, scalar reads a step) and time "
+        "transformers' generate (0: off)",
+    )
     ap.add_argument("--tests-junit", type=Path, help="pytest's --junitxml file, summarised into the result")
     ap.add_argument("--tests-rc", type=int, help="pytest's exit status")
     ap.add_argument("--tests-command", help="the pytest command line, recorded as given")
@@ -243,6 +250,52 @@ def forward_cost(target, draft, context: int, sizes: list[int], reps: int, clock
     }
 
 
+def profile_case(gen, prompt: list[int], method, spec: str, temperature: float, tokens: int, seed: int, clock) -> dict:
+    """Where a generation's host time goes: `tokens` tokens under torch.profiler (host activity only: on the
+    H200 lent on 2026-12-04, under gVisor, CUPTI's device tracing ran past a 280 s limit), the ops with the
+    most host time, and the reads of a scalar to the host (aten::_local_scalar_dense: on a GPU each is a
+    synchronisation that drains the launch queue)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from rsd.sampling import SamplingParams
+
+    params = SamplingParams(temperature)
+    t = clock.now()
+    res = gen.generate(prompt, method, params, tokens, (), seed)
+    wall_s = clock.now() - t
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        gen.generate(prompt, method, params, tokens, (), seed)
+    events = prof.key_averages()
+    calls = max(res.stats.target_calls, 1)
+    top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:20]
+    return {
+        "method": spec,
+        "temperature": temperature,
+        "tokens": len(res.token_ids),
+        "target_calls": res.stats.target_calls,
+        "ms_per_target_call": round(1000 * wall_s / calls, 3),
+        "scalar_reads_per_target_call": round(
+            sum(e.count for e in events if e.key == "aten::_local_scalar_dense") / calls, 1
+        ),
+        "top_host_ops": [
+            {"op": e.key, "calls": e.count, "self_ms": round(e.self_cpu_time_total / 1000, 3)} for e in top
+        ],
+    }
+
+
+def hf_generate(model, prompt: list[int], tokens: int, clock) -> dict:
+    """transformers' own greedy generate on the same model: what a user gets from it alone (tokens/s)."""
+    import torch
+
+    ids = torch.tensor([prompt], device=model.device)
+    kw = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0)
+    model.generate(ids, **kw)  # warm-up
+    t = clock.now()
+    out = model.generate(ids, **kw)
+    s = clock.now() - t
+    return {"tokens": int(out.shape[1] - ids.shape[1]), "s": round(s, 4), "tokens_per_s": round(tokens / s, 2)}
+
+
 def first_mismatch(a: list[int], b: list[int]) -> int | None:
     """The first index where a and b differ (the shorter length when one is a prefix), None when equal."""
     for i, (x, y) in enumerate(zip(a, b, strict=False)):
@@ -326,6 +379,13 @@ def run_dtype(args: argparse.Namespace, dirs: dict, dtype: str, deadline: float,
                     rows[-1]["first_mismatch_vs_plain"] = first_mismatch(piped, tokens)
             print(f"[gpu_check] {dtype}: prompt {i}, T={temperature:g} done", file=sys.stderr, flush=True)
     out["generation"] = rows
+    if args.profile:
+        out["profile"] = [
+            profile_case(plain, prompts[0], method, spec, t, args.profile, args.seed, clock)
+            for spec, method in [("ar", None), *methods]
+            for t in args.temperatures
+        ]
+        out["hf_generate"] = hf_generate(target_model, prompts[0], args.profile, clock)
     out["summary"] = summarise(rows)
     out["skipped_cases"] = skipped
     out["errors"] = sum("error" in r for r in rows)
@@ -395,17 +455,24 @@ def main(argv: list[str] | None = None) -> int:
                 result["dtypes"][dtype] = {"complete": False, "error": f"{type(e).__name__}: {e}"}
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # this dtype's models are gone: give their memory back before the next
+            write(result, args.out, start)  # each dtype's figures land as it ends: a run cut short keeps them
+    text = write(result, args.out, start)
+    print(text)
+    return 1 if any(d.get("error") or d.get("errors") for d in result["dtypes"].values()) else 0  # skips are no error
+
+
+def write(result: dict, out: Path, start: float) -> str:
+    """Write the result json and its .md summary as they stand; returns the summary."""
     result["elapsed_s"] = round(time.perf_counter() - start, 1)
     tests = result["tests"]
     result["complete"] = all(d.get("complete") for d in result["dtypes"].values()) and (
         tests is None or tests.get("rc") == 0
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
     text = markdown(result)
-    args.out.with_suffix(".md").write_text(text)
-    print(text)
-    return 1 if any(d.get("error") or d.get("errors") for d in result["dtypes"].values()) else 0  # skips are no error
+    out.with_suffix(".md").write_text(text)
+    return text
 
 
 if __name__ == "__main__":

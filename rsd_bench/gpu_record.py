@@ -169,6 +169,27 @@ def markdown(result: dict) -> str:
                 f"{s.get('plain_block_efficiency', s.get('ar_block_efficiency', '-'))} | "
                 f"{_yes_no(s.get('matches_ar'))} | {_yes_no(s.get('equals_plain'))} |"
             )
+        if d.get("profile"):
+            lines += [
+                "",
+                "Profiled (host ops only): ms a target call, scalar reads to the host a call (each a synchronisation "
+                "on a GPU), the op with the most host time.",
+                "",
+                "| method | T | ms / target call | scalar reads / call | top host op (self ms) |",
+                "| --- | --- | --- | --- | --- |",
+            ]
+            for p in d["profile"]:
+                top = p["top_host_ops"][0] if p["top_host_ops"] else {"op": "-", "self_ms": "-"}
+                lines.append(
+                    f"| {p['method']} | {p['temperature']:g} | {p['ms_per_target_call']} | "
+                    f"{p['scalar_reads_per_target_call']} | {top['op']} ({top['self_ms']}) |"
+                )
+        if d.get("hf_generate"):
+            h = d["hf_generate"]
+            lines += [
+                "",
+                f"transformers' own greedy generate on the target: {h['tokens_per_s']} tok/s ({h['tokens']} tokens).",
+            ]
         lines += [
             "",
             f"Skipped cases (budget): {d['skipped_cases']}; errors: {d['errors']}; load {d['load_s']} s"

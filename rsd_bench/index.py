@@ -127,8 +127,18 @@ def _loadtest(r: dict) -> str:
 
 
 def _gpu_check(r: dict) -> str:
-    best = _best(r["summary"], "pipelined_speedup_vs_ar")
-    return f"{best['pipelined_speedup_vs_ar']:.2f}x the target alone: {best['method']}, T={best['temperature']:g}"
+    tests = r.get("tests") or {}
+    parts = [f"tests {tests['passed']} passed, {tests['failures'] + tests['errors']} failed"] if tests else []
+    for dtype, d in r["dtypes"].items():
+        rows = d["generation"]
+        most = d["forward_cost"]["target"][-1]
+        matches = [g["matches_ar"] for g in rows if "matches_ar" in g]
+        equal = [g["equals_plain"] for g in rows if "equals_plain" in g]
+        parts.append(
+            f"{dtype}: {most['nodes']}-node tree {most['ratio_to_1']:.2f}x one node, T=0 = target alone "
+            f"{sum(matches)}/{len(matches)}, pipelined = plain {sum(equal)}/{len(equal)}"
+        )
+    return "; ".join(parts)
 
 
 HEADLINES: dict[str, Callable[[dict], str]] = {

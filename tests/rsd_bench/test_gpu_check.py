@@ -86,3 +86,16 @@ def test_refuses_without_cuda_or_on_cpu_without_tiny(tmp_path):
         pytest.skip("CUDA is here: the refusal is for machines without it")
     with pytest.raises(SystemExit, match="CUDA is not available"):
         gpu_check.main(["--out", out])
+
+
+def test_profile_records_host_ops_and_scalar_reads(tmp_path):
+    out = tmp_path / "gpu.json"
+    argv = ["--device", "cpu", "--tiny", "--out", str(out), "--methods", "sd:2", "--temperatures", "1"]
+    assert gpu_check.main([*argv, "--new-tokens", "2", "--reps", "1", "--tree-sizes", "1", "--profile", "3"]) == 0
+    run = json.loads(out.read_text())["dtypes"]["float32"]
+    assert [(p["method"], p["temperature"]) for p in run["profile"]] == [("ar", 1.0), ("sd:2", 1.0)]
+    for p in run["profile"]:
+        assert p["tokens"] >= 3 and p["ms_per_target_call"] > 0 and p["scalar_reads_per_target_call"] > 0
+        assert p["top_host_ops"][0]["op"].startswith("aten::")
+    assert run["hf_generate"]["tokens"] == 3
+    assert "scalar reads / call" in out.with_suffix(".md").read_text()
