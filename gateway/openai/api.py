@@ -72,6 +72,7 @@ from gateway.openai.schema import (
     CompletionRequest,
     DetokenizeRequest,
     Reply,
+    SpecDecodeMetrics,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     error_body,
@@ -384,7 +385,8 @@ class HttpApi:
             observe = self.metrics.observer(_GENERATE)  # the Generate stream metrics, as for a gRPC call
             first = await anext(events)  # the turn started (or the request was refused: raised here)
             observe(first)
-            reply = Reply(model is ChatCompletionRequest, call.request_id, self.model_name, first.session_id)
+            chat, spec = model is ChatCompletionRequest, SpecDecodeMetrics.of(first.started.params)
+            reply = Reply(chat, call.request_id, self.model_name, first.session_id, spec)
             reply.include_usage = body.include_usage
             if body.stream:
                 return _with_id(self._stream_response(call, events, observe, first.started, reply), call)
@@ -402,7 +404,7 @@ class HttpApi:
 
     async def _whole(self, request, call, events, observe, started, reply) -> JSONResponse:
         """Wait for the turn's end, or for the client to leave (then cancel the turn)."""
-        collect = asyncio.create_task(_collect(events, observe))
+        collect = asyncio.create_task(_collect(events, observe, reply.spec))
         gone = asyncio.create_task(_disconnected(request))
         try:
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -423,11 +425,14 @@ class HttpApi:
             async for event in events:
                 observe(event)
                 kind = event.WhichOneof("event")
+                if kind == "delta" and event.delta.HasField("stats"):
+                    reply.spec.observe(event.delta.stats)
                 if kind == "delta" and event.delta.text:
                     yield _sse(reply.chunk(event.delta.text))
                 elif kind == "finished":
                     call.finish()  # the turn is over: a client leaving now cancels nothing
-                    yield _sse(reply.chunk("", FINISH_REASONS[event.finished.reason]))
+                    last = not reply.include_usage  # else the usage chunk is the last
+                    yield _sse(reply.chunk("", FINISH_REASONS[event.finished.reason], last=last))
                     if reply.include_usage:
                         yield _sse(reply.usage_chunk(usage(started, event.finished)))
                     yield "data: [DONE]\n\n"
@@ -458,7 +463,7 @@ class HttpApi:
 
 
 async def _collect(
-    events: AsyncIterator[gateway_pb2.GenerateEvent], observe: Callable[[Any], None]
+    events: AsyncIterator[gateway_pb2.GenerateEvent], observe: Callable[[Any], None], spec: SpecDecodeMetrics
 ) -> tuple[str, gateway_pb2.GenerationFinished]:
     texts = []
     try:
@@ -467,6 +472,8 @@ async def _collect(
             kind = event.WhichOneof("event")
             if kind == "delta":
                 texts.append(event.delta.text)
+                if event.delta.HasField("stats"):
+                    spec.observe(event.delta.stats)
             elif kind == "finished":
                 return "".join(texts), event.finished
         raise ApiError(grpc.StatusCode.INTERNAL, "the turn ended without a finish event")

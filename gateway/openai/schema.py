@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from rsd_service.client import build_params
 from rsd_wire import common_pb2, gateway_pb2
+from rsd_wire.convert import parse_method
 
 FINISH_REASONS = {
     common_pb2.FINISH_REASON_LENGTH: "length",
@@ -257,6 +258,52 @@ def param_of(error: Mapping[str, Any]) -> str | None:
 
 
 @dataclass
+class SpecDecodeMetrics:
+    """vLLM's per-request `metrics.speculative_decoding` (its --per-request-spec-decode-metrics summary), from the
+    StepStats of one turn. A step verifies one draft tree, so where vLLM drafts a chain of num_spec_tokens:
+        num_spec_steps             target calls (steps) of the turn
+        num_draft_tokens           drafted tree nodes (a chain's k per step; a tree drafts more)
+        num_accepted_draft_tokens  draft tokens the acceptance rule kept
+        draft_acceptance_rate      accepted / drafted (0 without drafts)
+        mean_acceptance_length     tokens per step: 1 (the correction or bonus token) + accepted / steps
+        num_spec_tokens            the tree's depth L: the most draft tokens one step can accept
+        acceptance_histogram       [L + 1]: [j] = the steps that accepted exactly j draft tokens
+    Field names and meanings: vLLM PR 48915 (vllm-project/vllm), whose chains make num_draft_tokens = k * steps."""
+
+    depth: int
+    num_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    histogram: list[int] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, params: common_pb2.GenerationParams) -> SpecDecodeMetrics:
+        depth = parse_method(params.method.name, params.method.shape).depth if params.method.name else 0
+        return cls(depth, histogram=[0] * (depth + 1))
+
+    def observe(self, stats: common_pb2.StepStats) -> None:
+        self.num_steps += 1
+        self.num_draft_tokens += stats.num_draft_tokens
+        self.num_accepted_tokens += stats.num_accepted_tokens
+        self.histogram.extend([0] * (stats.num_accepted_tokens + 1 - len(self.histogram)))
+        self.histogram[stats.num_accepted_tokens] += 1
+
+    def body(self) -> dict[str, Any]:
+        steps, drafted, accepted = self.num_steps, self.num_draft_tokens, self.num_accepted_tokens
+        return {
+            "speculative_decoding": {
+                "mean_acceptance_length": 1 + accepted / steps if steps else 0.0,
+                "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
+                "acceptance_histogram": list(self.histogram),
+                "num_spec_steps": steps,
+                "num_accepted_draft_tokens": accepted,
+                "num_draft_tokens": drafted,
+                "num_spec_tokens": self.depth,
+            }
+        }
+
+
+@dataclass
 class Reply:
     """The reply objects of one request: a whole completion, or its stream's chunks. Each carries the
     session id (`session_id`, not OpenAI's): send it back as an extra field to continue the session."""
@@ -265,6 +312,7 @@ class Reply:
     request_id: str
     model: str
     session_id: str
+    spec: SpecDecodeMetrics  # fed each step's stats; in the whole reply and the stream's last chunk
     include_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -279,9 +327,12 @@ class Reply:
             choice = {"index": 0, "text": text}
         choice.update(logprobs=None, finish_reason=finish_reason)
         kind = "chat.completion" if self.chat else "text_completion"
-        return {**self._head(kind), "choices": [choice], "usage": token_usage, "session_id": self.session_id}
+        body = {**self._head(kind), "choices": [choice], "usage": token_usage, "session_id": self.session_id}
+        return {**body, "metrics": self.spec.body()}
 
-    def chunk(self, text: str, finish_reason: str | None = None, first: bool = False) -> dict[str, Any]:
+    def chunk(
+        self, text: str, finish_reason: str | None = None, first: bool = False, last: bool = False
+    ) -> dict[str, Any]:
         if self.chat:
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
             choice = {"index": 0, "delta": delta}
@@ -291,8 +342,11 @@ class Reply:
         body = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
         if self.include_usage:
             body["usage"] = None
-        return {**body, "session_id": self.session_id}
+        body["session_id"] = self.session_id
+        return {**body, "metrics": self.spec.body()} if last else body
 
     def usage_chunk(self, token_usage: dict[str, int]) -> dict[str, Any]:
+        """The last chunk when the client asked for usage (stream_options.include_usage)."""
         kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._head(kind), "choices": [], "usage": token_usage, "session_id": self.session_id}
+        body = {**self._head(kind), "choices": [], "usage": token_usage, "session_id": self.session_id}
+        return {**body, "metrics": self.spec.body()}

@@ -654,3 +654,48 @@ def test_the_secure_cluster_openai_snippet_connects(start_gateway, tmp_path_fact
     scope: dict = {}
     exec(sec.openai_snippet(secure.base_url), scope)
     assert [m.id for m in scope["client"].models.list().data] == [MODEL]
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-response speculative decoding metrics (vLLM's metrics.speculative_decoding)
+
+
+def _spec_metrics(steps, depth: int) -> dict:
+    """What the reply must say for these StepStats (the definitions of gateway.openai.schema.SpecDecodeMetrics)."""
+    accepted, drafted = sum(s.num_accepted_tokens for s in steps), sum(s.num_draft_tokens for s in steps)
+    histogram = [sum(s.num_accepted_tokens == j for s in steps) for j in range(depth + 1)]
+    return {
+        "mean_acceptance_length": 1 + accepted / len(steps),
+        "draft_acceptance_rate": accepted / drafted,
+        "acceptance_histogram": histogram,
+        "num_spec_steps": len(steps),
+        "num_accepted_draft_tokens": accepted,
+        "num_draft_tokens": drafted,
+        "num_spec_tokens": depth,
+    }
+
+
+@pytest.mark.parametrize("include_usage", [False, True], ids=["finish-chunk", "usage-chunk"])
+def test_speculative_metrics_in_the_reply_and_the_last_chunk(gw, include_usage):
+    """The whole reply and the stream's last chunk (the usage chunk when asked for, else the finish chunk) carry
+    the turn's `metrics.speculative_decoding`, equal to what its steps' StepStats say over gRPC for the same
+    seeded request."""
+    kwargs = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0.8, "seed": 3}
+    with gw.grpc() as client:
+        ref = client.generate(PROMPT, temperature=0.8, seed=3, max_new_tokens=24, **RSD_C).wait()
+    expected = _spec_metrics(ref.steps, depth=3)  # rsd_c 2,2,1: trees of depth 3
+    assert expected["num_accepted_draft_tokens"] > 0 and sum(expected["acceptance_histogram"]) == len(ref.steps)
+    whole = gw.openai().completions.create(model=MODEL, extra_body=RSD_C, **kwargs)
+    assert whole.model_extra["metrics"] == {"speculative_decoding": expected}
+    options = {"stream_options": {"include_usage": True}} if include_usage else {}
+    chunks = list(gw.openai().completions.create(model=MODEL, stream=True, extra_body=RSD_C, **kwargs, **options))
+    assert chunks[-1].model_extra["metrics"] == {"speculative_decoding": expected}
+    assert all("metrics" not in c.model_extra for c in chunks[:-1])
+    chat = gw.openai().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "w5"}],
+        max_tokens=4,
+        extra_body={"method": "sd", "shape": "4"},
+    )
+    spec = chat.model_extra["metrics"]["speculative_decoding"]
+    assert spec["num_spec_tokens"] == 4 and len(spec["acceptance_histogram"]) == 5 and spec["num_spec_steps"] >= 1
