@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from rsd_service.client import build_params
 from rsd_wire import common_pb2, gateway_pb2
@@ -155,13 +155,17 @@ class ChatMessage(_Body):
     role: ROLES
     content: str | list[TextPart]
     name: str | None = None  # the participant's name: passed to the chat template (most ignore it)
-    tool_call_id: str | None = None
+    tool_call_id: str | None = Field(None, validate_default=True)
 
-    @model_validator(mode="after")
-    def _tool_call_id(self) -> ChatMessage:
-        if (self.role == "tool") != (self.tool_call_id is not None):
-            raise ValueError("tool_call_id: required in a tool message, and only there")
-        return self
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_call_id(cls, value: str | None, info: ValidationInfo) -> str | None:
+        role = info.data.get("role")  # absent: the role was refused already
+        if role == "tool" and value is None:
+            raise ValueError("required in a tool message")
+        if role not in (None, "tool") and value is not None:
+            raise ValueError("only in a tool message")
+        return value
 
     def text(self) -> str:
         if isinstance(self.content, list):

@@ -472,8 +472,8 @@ def test_a_named_message_reaches_the_chat_template(start_gateway, tiny_tokenizer
     ("message", "param", "reason"),
     [
         ({"role": "wizard", "content": "w5"}, "messages[0].role", "Input should be 'system', 'developer'"),
-        ({"role": "tool", "content": "w5"}, "messages[0]", "tool_call_id: required in a tool message"),
-        ({"role": "user", "content": "w5", "tool_call_id": "t1"}, "messages[0]", "tool_call_id"),
+        ({"role": "tool", "content": "w5"}, "messages[0].tool_call_id", "required in a tool message"),
+        ({"role": "user", "content": "w5", "tool_call_id": "t1"}, "messages[0].tool_call_id", "only in a tool"),
         ({"role": "user"}, "messages[0].content", "Field required"),
         ({"role": "assistant", "content": None}, "messages[0].content", "Field required"),
         ({"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}, "messages[0].content", ""),
@@ -485,6 +485,18 @@ def test_messages_are_checked_as_openai_checks_them(gw, message, param, reason):
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["param"] == param and error["message"].startswith(f"{param}: ") and reason in error["message"]
+
+
+def test_every_openai_role_is_accepted(gw, tiny_tokenizer):
+    messages = [
+        {"role": "developer", "content": "w3"},
+        {"role": "user", "content": [{"type": "text", "text": "w5"}], "name": "w7"},
+        {"role": "assistant", "content": "w6"},
+        {"role": "tool", "content": "w8", "tool_call_id": "call-1"},
+    ]
+    out = gw.openai().chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    rendered = [("developer", "w3"), ("user", "w5"), ("assistant", "w6"), ("tool", "w8")]
+    assert out.usage.prompt_tokens == len(chat_ids(tiny_tokenizer, rendered))
 
 
 def test_every_error_has_openai_shape(gw):
