@@ -10,7 +10,7 @@
     POST /tokenize, /detokenize   vLLM's: text or messages -> token ids, as the two above make them; ids -> text
     GET  /metrics                 the gateway's Prometheus metrics (the same registry as metrics_port's)
     GET  /openapi.json            the API's schema
-    GET  /health, /version        200 while serving; {"version": rsd's version} (no token needed)
+    GET  /health, /version        200 while serving (503 draining); {"version": rsd's version} (no token needed)
 
 Each request becomes a GenerateRequest for the GatewayEngine the gRPC servicer serves (no hop through the
 gRPC port), so both APIs share sessions, params validation, the auth token (`Authorization: Bearer`, on every
@@ -198,6 +198,7 @@ class HttpApi:
         token = read_secret(config.auth_token, config.auth_token_file, "auth_token")
         self._token = TokenInterceptor(token) if token else None
         self.in_flight = 0
+        self.draining = False  # set by GatewayHandle.drain: /health answers 503 from then on
         self.created = int(time.time())
         # openapi_url=None: /openapi.json is a route of ours, behind the token like the others.
         self.app = FastAPI(title="rsd gateway (OpenAI-compatible)", docs_url=None, redoc_url=None, openapi_url=None)
@@ -361,7 +362,9 @@ class HttpApi:
         return await self._answer(request, "/openapi.json", answer)
 
     async def health(self) -> Response:
-        """200 while the gateway serves (what vLLM's /health answers); open, like gRPC health."""
+        """200 while the gateway serves (what vLLM's /health answers), 503 once it drains; open, like gRPC health."""
+        if self.draining:
+            return JSONResponse(error_body("the gateway is draining", "service_unavailable_error"), status_code=503)
         return Response(status_code=200)
 
     async def version(self) -> Response:

@@ -6,6 +6,7 @@ HTTP from one engine. Every HTTP answer is checked against what the gRPC API giv
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import copy
 import http.client
@@ -604,6 +605,21 @@ def test_health_version_and_one_model(gw):
     with pytest.raises(openai.NotFoundError) as info:
         gw.openai().models.retrieve("gpt-4o")
     assert info.value.code == "model_not_found"
+
+
+def test_health_is_503_while_the_gateway_drains(loop, start_gateway):
+    """A draining gateway (SIGTERM: GatewayHandle.drain lets running turns finish) answers /health 503, so a
+    load balancer sends it nothing new, as gRPC health turns NOT_SERVING."""
+    draining = start_gateway()
+    health = draining.base_url[:-3] + "/health"
+    assert httpx.get(health, timeout=60).status_code == 200
+    with draining.openai().completions.create(model=MODEL, prompt=PROMPT, max_tokens=2000, stream=True) as stream:
+        next(iter(stream))  # a turn is running: the drain waits for it
+        drained = asyncio.run_coroutine_threadsafe(draining.handle.drain(60), loop.loop)
+        replies = (httpx.get(health, timeout=60) for _ in range(1000))
+        reply = next(r for r in replies if r.status_code != 200)
+        assert reply.status_code == 503 and reply.json()["error"]["type"] == "service_unavailable_error"
+    drained.result(60)  # closing the stream cancelled the turn: the drain ends
 
 
 def test_tokenize_and_detokenize_as_vllm(gw, tiny_tokenizer):
