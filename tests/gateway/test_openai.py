@@ -488,6 +488,13 @@ def test_messages_are_checked_as_openai_checks_them(gw, message, param, reason):
     assert error["param"] == param and error["message"].startswith(f"{param}: ") and reason in error["message"]
 
 
+@pytest.mark.parametrize("name", ["max_tokens", "max_completion_tokens"])
+def test_chat_names_the_max_tokens_parameter_it_was_sent(gw, name):
+    with pytest.raises(openai.BadRequestError) as info:
+        gw.openai().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w5"}], **{name: 9999})
+    assert info.value.param == name and info.value.body["message"] == f"{name}: must be in [1, 2048], got 9999"
+
+
 def test_every_openai_role_is_accepted(gw, tiny_tokenizer):
     messages = [
         {"role": "developer", "content": "w3"},
