@@ -207,10 +207,12 @@ class HttpApi:
         route = self.app.add_api_route
         route("/v1/models", self.models, methods=["GET"])
         route("/v1/models/{model_id:path}", self.model, methods=["GET"])
-        route("/v1/completions", self.completions, methods=["POST"])
-        route("/v1/chat/completions", self.chat_completions, methods=["POST"])
-        route("/tokenize", self.tokenize, methods=["POST"])
-        route("/detokenize", self.detokenize, methods=["POST"])
+        route("/v1/completions", self.completions, methods=["POST"], openapi_extra=_body_schema(CompletionRequest))
+        chat = _body_schema(ChatCompletionRequest)
+        route("/v1/chat/completions", self.chat_completions, methods=["POST"], openapi_extra=chat)
+        tokenize = _body_schema(TokenizeCompletionRequest, TokenizeChatRequest)
+        route("/tokenize", self.tokenize, methods=["POST"], openapi_extra=tokenize)
+        route("/detokenize", self.detokenize, methods=["POST"], openapi_extra=_body_schema(DetokenizeRequest))
         route("/metrics", self.prometheus, methods=["GET"])
         route("/openapi.json", self.openapi, methods=["GET"], include_in_schema=False)
         route("/health", self.health, methods=["GET"])
@@ -505,6 +507,13 @@ class _EventStream(StreamingResponse):
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()
                 await self.on_close()
+
+
+def _body_schema(*models: type[pydantic.BaseModel]) -> dict[str, Any]:
+    """The routes read their bodies themselves (HttpApi._body); this tells /openapi.json what they take."""
+    schemas = [m.model_json_schema() for m in models]
+    schema = schemas[0] if len(schemas) == 1 else {"oneOf": schemas}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
 async def _route_error(request: Request, error: HTTPException) -> JSONResponse:

@@ -669,9 +669,10 @@ def test_metrics_and_schema_on_the_http_port(gw):
     assert metrics.headers["content-type"].startswith("text/plain")
     assert 'rsd_gateway_requests_total{code="OK",method="/v1/completions"}' in metrics.text
     schema = httpx.get(f"{root}/openapi.json", headers=_auth(), timeout=60).json()
-    assert {"/v1/chat/completions", "/tokenize", "/health"} <= set(schema["paths"]) and "/openapi.json" not in schema[
-        "paths"
-    ]
+    paths = schema["paths"]
+    assert {"/v1/chat/completions", "/tokenize", "/health"} <= set(paths) and "/openapi.json" not in paths
+    chat = paths["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert {"model", "messages", "max_tokens", "stream"} <= set(chat["properties"]) and "messages" in chat["required"]
 
 
 def test_the_secure_cluster_openai_snippet_connects(start_gateway, tmp_path_factory):
