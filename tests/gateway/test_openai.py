@@ -355,6 +355,9 @@ def test_body_over_max_message_bytes_is_413(start_gateway):
     headers = {"authorization": f"Bearer {TOKEN}"}
     reply = httpx.post(f"{small.base_url}/completions", json=body, headers=headers, timeout=60)
     assert reply.status_code == 413 and "4096" in reply.json()["error"]["message"]
+    with pytest.raises(openai.APIStatusError) as info:
+        small.openai().completions.create(model=MODEL, prompt="w1 " * 2000, max_tokens=2)
+    assert info.value.status_code == 413 and info.value.body["message"] == "body over max_message_bytes 4096"
 
 
 # ---------------------------------------------------------------------------------------------
