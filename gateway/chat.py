@@ -72,9 +72,12 @@ class ChatTemplate:
                 self.end_of_turn_ids.append(eot)
         self._head = head[:end]
 
-    def encode(self, messages: Sequence[Mapping[str, str]], continuation: bool) -> list[int]:
-        """Token ids of `messages` (dicts with role and content) and the generation prompt: the whole
-        rendering for a new session, what they add after the previous turn for a continuation.
+    def encode(
+        self, messages: Sequence[Mapping[str, str]], continuation: bool, generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of `messages` (dicts with role, content and maybe name) and the generation prompt (unless
+        `generation_prompt` is false: /tokenize may ask so): the whole rendering for a new session, what they
+        add after the previous turn for a continuation.
         ValueError names what is wrong (no template, bad messages, a template that refuses them)."""
         if not self.available:
             raise ValueError("the gateway's tokenizer has no chat template: send text or token_ids instead")
@@ -84,9 +87,9 @@ class ChatTemplate:
             if not m["role"] or len(m["role"]) > _MAX_ROLE_CHARS:
                 raise ValueError(f"[{i}].role must have 1..{_MAX_ROLE_CHARS} characters")
         if not continuation:
-            text = self._render(messages, generation_prompt=True)
+            text = self._render(messages, generation_prompt)
         else:
-            full = None if self._head is None else self._render([*_PROBE, *messages], generation_prompt=True)
+            full = None if self._head is None else self._render([*_PROBE, *messages], generation_prompt)
             if full is None or not full.startswith(self._head):
                 raise ValueError("this chat template cannot append messages to a session: start a new one")
             text = full[len(self._head) :]

@@ -3,7 +3,8 @@
 gateway.requests, its text streamed by gateway.text, its errors are gateway.errors.
 
 One Generate call ("a turn"):
-    1. validate the request (RequestError names the field), tokenize its input; refuse a turn longer than
+    1. validate the request (RequestError names the field), tokenize its input (in a worker thread, so a
+       long text holds up no other call); refuse a turn longer than
        max_session_tokens or than the picked services' max_len (ContextLengthExceeded), before any event
     2. create the session (new) or claim it (continue): choose a drafter and a verifier, begin a new
        epoch in the store (compare-and-set: a second concurrent turn gets SessionBusy), append the
@@ -407,7 +408,7 @@ class GatewayEngine:
     async def _start_turn(self, request: gateway_pb2.GenerateRequest) -> tuple[Turn, gateway_pb2.GenerateEvent]:
         if len(self._turns) >= self.config.max_running_turns:
             raise Overloaded(f"{len(self._turns)} turns are running on this gateway (max_running_turns)")
-        input_ids = self.inputs.token_ids(request)
+        input_ids = await asyncio.to_thread(self.inputs.token_ids, request)  # a long text: off the event loop
         msg_params = request.params if request.HasField("params") else None
         if request.session_id:
             record = await self._store(self.store.get_session, request.session_id)
@@ -622,6 +623,12 @@ class GatewayEngine:
         check_session_id(session_id)
         record = await self._store(self.store.get_session, session_id)
         return session_to_proto(record, include_token_ids)
+
+    async def max_model_len(self) -> int:
+        """The longest sequence a turn may grow to: max_session_tokens, or the smallest max_len the live services
+        advertise (a turn also needs room for one draft tree in it: check_context_length)."""
+        lens = [s.max_len for role in ("drafter", "verifier") for s in await self.services.live(role) if s.max_len > 0]
+        return min([self.config.max_session_tokens, *lens])
 
     @property
     def num_running(self) -> int:

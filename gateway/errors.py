@@ -9,7 +9,12 @@ from rsd_service.status import Conflict, Exhausted, RpcError
 
 
 class RequestError(ValueError):
-    """A request the gateway refuses as it is (INVALID_ARGUMENT)."""
+    """A request the gateway refuses as it is (INVALID_ARGUMENT). `field`: the GenerateRequest field the message
+    begins with ("params.max_new_tokens"), so the HTTP API can name its own parameter instead ("max_tokens")."""
+
+    def __init__(self, message: str, field: str = ""):
+        super().__init__(message)
+        self.field = field
 
 
 class ContextLengthExceeded(RequestError):

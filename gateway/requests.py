@@ -30,7 +30,7 @@ def check_session_id(session_id: str) -> None:
     try:
         check_id("session_id", session_id)
     except ValueError as e:
-        raise RequestError(f"session_id: {e}") from None
+        raise RequestError(f"session_id: {e}", "session_id") from None
 
 
 def check_request(request: gateway_pb2.GenerateRequest) -> None:
@@ -56,27 +56,35 @@ class InputReader:
         which = request.WhichOneof("input")
         if which == "text":
             if not request.text:
-                raise RequestError("text: must not be empty")
+                raise RequestError("text: must not be empty", "text")
             ids = list(self.tokenizer.encode(request.text, add_special_tokens=False))
             if not ids:
-                raise RequestError("text: encodes to no tokens")
+                raise RequestError("text: encodes to no tokens", "text")
         elif which == "messages":
-            messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+            messages = [chat_message(m) for m in request.messages.messages]
             try:
                 ids = self.chat.encode(messages, continuation=bool(request.session_id))
             except ValueError as e:
-                raise RequestError(f"messages: {e}") from None
+                raise RequestError(f"messages: {e}", "messages") from None
         else:
             ids = list(request.token_ids.ids)
             if not ids:
-                raise RequestError("token_ids.ids: must not be empty")
+                raise RequestError("token_ids.ids: must not be empty", "token_ids.ids")
             bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
             if bad is not None:
-                raise RequestError(f"token_ids.ids: token id {bad} is outside [0, {self.vocab_size})")
+                raise RequestError(f"token_ids.ids: token id {bad} is outside [0, {self.vocab_size})", "token_ids.ids")
         if len(ids) > self.config.max_prompt_tokens:
             limit = self.config.max_prompt_tokens
-            raise ContextLengthExceeded(f"input has {len(ids)} tokens, more than max_prompt_tokens {limit}")
+            raise ContextLengthExceeded(f"input has {len(ids)} tokens, more than max_prompt_tokens {limit}", which)
         return ids
+
+
+def chat_message(message: gateway_pb2.ChatMessage) -> dict[str, str]:
+    """A ChatMessage as the chat template reads it: role and content, and name when there is one."""
+    rendered = {"role": message.role, "content": message.content}
+    if message.name:
+        rendered["name"] = message.name
+    return rendered
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,20 +134,24 @@ def validate_params(params: Mapping[str, Any], config: GatewayConfig) -> None:
     try:
         SamplingParams(float(params["temperature"]), int(params["top_k"]), float(params["top_p"]))
     except ValueError as e:
-        raise RequestError(f"params.sampling: {e}") from None
+        raise RequestError(f"params.sampling: {e}", "params.sampling") from None
     try:
         parse_method(params["method"], params["shape"])
     except ValueError as e:
-        raise RequestError(f"params.method: {e}") from None
+        raise RequestError(f"params.method: {e}", "params.method") from None
     if not 1 <= params["max_new_tokens"] <= config.max_new_tokens_limit:
         raise RequestError(
-            f"params.max_new_tokens must be in [1, {config.max_new_tokens_limit}], got {params['max_new_tokens']}"
+            f"params.max_new_tokens: must be in [1, {config.max_new_tokens_limit}], got {params['max_new_tokens']}",
+            "params.max_new_tokens",
         )
     stops = params["stop_sequences"]
     if len(stops) > config.max_stop_sequences:
-        raise RequestError(f"params.stop_sequences: at most {config.max_stop_sequences}, got {len(stops)}")
+        raise RequestError(
+            f"params.stop_sequences: at most {config.max_stop_sequences}, got {len(stops)}", "params.stop_sequences"
+        )
     if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
-        raise RequestError(f"params.stop_sequences: each must have 1..{MAX_STOP_CHARS} characters")
+        message = f"params.stop_sequences: each must have 1..{MAX_STOP_CHARS} characters"
+        raise RequestError(message, "params.stop_sequences")
 
 
 def check_context_length(num_context: int, params: Mapping[str, Any], services: Sequence[ServiceInfo]) -> None:
@@ -158,7 +170,7 @@ def check_context_length(num_context: int, params: Mapping[str, Any], services: 
         raise ContextLengthExceeded(
             f"this model's maximum context length is {smallest.max_len} tokens ({smallest.role} "
             f"{smallest.service_id} max_len), but the turn needs {need}: {num_context} input and session tokens, "
-            f"{max_new} max_new_tokens and {nodes} draft tree nodes ({params['method']} {params['shape']})"
+            f"{max_new} new tokens and {nodes} draft tree nodes ({params['method']} {params['shape']})"
         )
 
 

@@ -42,7 +42,9 @@ class GatewayHandle:
     http: HttpApiServer | None = None  # the OpenAI-compatible HTTP API, when config.http_port >= 0
 
     async def drain(self, grace_s: float) -> None:
-        """Let running turns finish for grace_s (then cancel them), stop the HTTP API."""
+        """Let running turns finish for grace_s (then cancel them), stop the HTTP API (/health: 503 from now)."""
+        if self.http is not None:
+            self.http.api.draining = True
         await self.engine.drain(grace_s)
         if self.http is not None:
             await self.http.stop(grace_s)

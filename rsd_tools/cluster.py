@@ -363,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(cluster.describe()), file=sys.stderr, flush=True)
     if cluster.security.enabled:
         print(f"[cluster] secured: {cluster.security.summary()}; a client connects with:", file=sys.stderr)
-        print("\n".join(cluster.security.how_to_connect(cluster.gateway_address)), file=sys.stderr, flush=True)
+        how = cluster.security.how_to_connect(cluster.gateway_address, cluster.http_url)
+        print("\n".join(how), file=sys.stderr, flush=True)
     try:
         if not args.no_generate:
             run_generation(cluster.gateway_address, args, security=cluster.client_security())

@@ -196,7 +196,9 @@ class ClusterSecurity:
         token = read_secret("", self.auth_token_file, "auth_token")
         return replace(probe, token=token)
 
-    def how_to_connect(self, address: str) -> list[str]:
+    def how_to_connect(self, address: str, http_url: str = "") -> list[str]:
+        """How a client connects, ready to paste: `rsd generate`, RsdClient over gRPC on `address`, and (given the
+        HTTP API's `http_url`) the openai client with the token file and the CA (and client certificate)."""
         flags = f" --tls-ca {self.tls_ca}" if self.tls_cert else ""
         if self.public_mtls:
             flags += f" --tls-cert {self.client_cert} --tls-key {self.client_key}"
@@ -207,10 +209,25 @@ class ClusterSecurity:
             kwargs += [f"tls_cert={self.client_cert!r}", f"tls_key={self.client_key!r}"]
         if self.auth_token_file:
             kwargs += [f"token=open({self.auth_token_file!r}).read().strip()"]
-        return [
+        lines = [
             f"  rsd generate --server {address}{flags} --prompt '...'",
             f"  RsdClient({address!r}, security=ClientSecurity({', '.join(kwargs)}))",
         ]
+        if http_url:
+            lines.append("  " + self.openai_snippet(http_url))
+        return lines
+
+    def openai_snippet(self, http_url: str) -> str:
+        """One line of Python that makes an openai.OpenAI client of the HTTP API at `http_url`."""
+        key = f"open({self.auth_token_file!r}).read().strip()" if self.auth_token_file else "'none'"
+        client = f"openai.OpenAI(base_url={http_url!r}, api_key={key}"
+        if not self.tls_cert:
+            return f"import openai; client = {client})"
+        certificate = f"; tls.load_cert_chain({self.client_cert!r}, {self.client_key!r})" if self.public_mtls else ""
+        return (
+            f"import openai, ssl; tls = ssl.create_default_context(cafile={self.tls_ca!r}){certificate}; "
+            f"client = {client}, http_client=openai.DefaultHttpxClient(verify=tls))"
+        )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,23 +4,32 @@
     http.base_url                                          # http://127.0.0.1:PORT/v1
     await http.stop(grace_s)
 
-    GET  /v1/models               the one model (served_model_name, else the tokenizer folder's name)
+    GET  /v1/models, /v1/models/{id}  the one model (served_model_name, else the tokenizer folder's name)
     POST /v1/completions          prompt -> text             } stream: server-sent events, one chunk per
     POST /v1/chat/completions     messages -> chat template  } committed step, then `data: [DONE]`
+    POST /tokenize, /detokenize   vLLM's: text or messages -> token ids, as the two above make them; ids -> text
+    GET  /metrics                 the gateway's Prometheus metrics (the same registry as metrics_port's)
+    GET  /openapi.json            the API's schema
+    GET  /health, /version        200 while serving (503 draining); {"version": rsd's version} (no token needed)
 
 Each request becomes a GenerateRequest for the GatewayEngine the gRPC servicer serves (no hop through the
-gRPC port), so both APIs share sessions, params validation, the auth token (`Authorization: Bearer`),
-limits (max_running_turns, max_concurrent_rpcs: calls at once, max_message_bytes: body size), metrics
-(rsd_gateway_requests_total{method="/v1/..."} and the Generate stream metrics) and request ids
-(X-Request-Id, else a new one; echoed back, in the reply id and in the logs). Bodies and what is
-supported: gateway.openai.schema.
+gRPC port), so both APIs share sessions, params validation, the auth token (`Authorization: Bearer`, on every
+route but /health and /version), limits (max_running_turns, max_concurrent_rpcs: calls at once,
+max_message_bytes: body size), metrics (rsd_gateway_requests_total{method="/v1/..."} and the Generate stream
+metrics) and request ids (X-Request-Id, else a new one; echoed back, in the reply id and in the logs). Bodies
+and what is supported: gateway.openai.schema.
 
-Errors use OpenAI's shape {"error": {"message", "type", "param", "code"}}: 400 bad input (code
-context_length_exceeded for a turn over max_prompt_tokens, max_session_tokens or the services' max_len:
-refused before a stream begins, `stream: true` included), 401 no or bad token, 404 unknown model or
-session, 409 the session is already generating, 413 body too large, 429 no capacity, 503/504 the services
-are away / the turn ran out of time, 500 anything else (logged once with the request id). An error after
-a stream began comes as one `data: {"error": ...}` event before [DONE].
+A body over max_message_bytes is refused from its Content-Length, else as soon as what arrived passes the limit,
+never buffered whole; the input is tokenised in a worker thread (GatewayEngine), so a long prompt holds up no
+other call.
+
+Errors use OpenAI's shape {"error": {"message", "type", "param", "code"}} on every route, the unknown ones too,
+and name the parameter the client sent (max_tokens, not the engine's params.max_new_tokens): 400 bad input
+(code context_length_exceeded for a turn over max_prompt_tokens, max_session_tokens or the services' max_len:
+refused before a stream begins, `stream: true` included), 401 no or bad token, 404 unknown model, session or
+route, 405 a route's wrong method, 409 the session is already generating, 413 body too large, 429 no capacity,
+503/504 the services are away / the turn ran out of time, 500 anything else (logged once with the request id).
+An error after a stream began comes as one `data: {"error": ...}` event before [DONE].
 
 A client that disconnects cancels its turn (a stream: Starlette cancels the response, _EventStream's
 on_close cancels the turn; a waiting request: a task watches for the disconnect). What the turn
@@ -37,30 +46,41 @@ import socket
 import ssl
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import anyio
 import grpc
 import pydantic
+import pydantic_core
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
 
 from gateway.config import GatewayConfig
 from gateway.engine import GatewayEngine
-from gateway.errors import ContextLengthExceeded
+from gateway.errors import ContextLengthExceeded, RequestError
 from gateway.openai.schema import (
     FINISH_REASONS,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     Reply,
+    SpecDecodeMetrics,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
     error_body,
-    model_list,
+    model_card,
+    param_of,
     usage,
 )
+from gateway.requests import chat_message
 from rsd_service.metrics import GatewayMetrics
 from rsd_service.security import TokenInterceptor, read_secret
 from rsd_service.serving import log_context
@@ -81,6 +101,7 @@ _HTTP_STATUS = {  # gRPC status -> (HTTP status, OpenAI error type)
 _INTERNAL = (500, "internal_error")
 _GENERATE = "/rsd.v1.Gateway/Generate"  # the gRPC method whose stream metrics the HTTP calls feed too
 _MAX_REQUEST_ID = 128
+_VERSION = metadata.version("rsd")
 
 
 class ApiError(Exception):
@@ -99,15 +120,45 @@ class ApiError(Exception):
         return JSONResponse(self.body(), status_code=self.http_status or _HTTP_STATUS.get(self.code, _INTERNAL)[0])
 
 
-def api_error(error: BaseException, request_id: str) -> ApiError:
-    """The ApiError for an engine (or our own) error; an unexpected one is logged once and becomes 500."""
+# The GenerateRequest fields a RequestError names -> the parameter an HTTP client sent.
+_PUBLIC = {
+    "text": "prompt",
+    "token_ids.ids": "prompt",
+    "messages": "messages",
+    "params.max_new_tokens": "max_tokens",
+    "params.method": "method",
+    "params.stop_sequences": "stop",
+    "session_id": "session_id",
+}
+
+
+def _public_param(error: RequestError, body: Any) -> str | None:
+    """The parameter to name for `error`: where the engine's field is the client's parameter under another name."""
+    chat = isinstance(body, ChatCompletionRequest)
+    if isinstance(error, ContextLengthExceeded):
+        return "messages" if chat else "prompt"  # as OpenAI names it
+    if error.field == "params.sampling":  # SamplingParams names the one it refuses first
+        reason = str(error)[len(error.field) + 2 :]
+        return next((p for p in ("temperature", "top_k", "top_p") if reason.startswith(p)), None)
+    if error.field == "params.max_new_tokens" and chat and body.max_completion_tokens is not None:
+        return "max_completion_tokens"
+    return _PUBLIC.get(error.field)
+
+
+def api_error(error: BaseException, request_id: str, body: Any = None) -> ApiError:
+    """The ApiError for an engine (or our own) error, naming the client's parameter (`body`: its request, once
+    parsed); an unexpected error is logged once and becomes 500."""
     if isinstance(error, ApiError):
         return error
     mapped = status_of(error)
     if mapped is None:
         log.error("request %s failed", request_id, exc_info=error)
         return ApiError(grpc.StatusCode.INTERNAL, f"internal error (request {request_id})")
-    api = ApiError(*mapped)
+    code, message = mapped
+    param = _public_param(error, body) if isinstance(error, RequestError) else None
+    if param and isinstance(error, RequestError) and error.field and message.startswith(error.field):
+        message = param + message[len(error.field) :]  # "params.max_new_tokens: must be ..." -> "max_tokens: ..."
+    api = ApiError(code, message, param=param)
     if isinstance(error, ContextLengthExceeded):
         api.error_code = "context_length_exceeded"  # as OpenAI and vLLM name it
     return api
@@ -147,11 +198,25 @@ class HttpApi:
         token = read_secret(config.auth_token, config.auth_token_file, "auth_token")
         self._token = TokenInterceptor(token) if token else None
         self.in_flight = 0
+        self.draining = False  # set by GatewayHandle.drain: /health answers 503 from then on
         self.created = int(time.time())
-        self.app = FastAPI(title="rsd gateway (OpenAI-compatible)", docs_url=None, redoc_url=None)
-        self.app.add_api_route("/v1/models", self.models, methods=["GET"])
-        self.app.add_api_route("/v1/completions", self.completions, methods=["POST"])
-        self.app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        # openapi_url=None: /openapi.json is a route of ours, behind the token like the others.
+        self.app = FastAPI(title="rsd gateway (OpenAI-compatible)", docs_url=None, redoc_url=None, openapi_url=None)
+        self.app.add_exception_handler(HTTPException, _route_error)  # unknown route 404, wrong method 405
+        self.app.add_exception_handler(Exception, _unexpected)
+        route = self.app.add_api_route
+        route("/v1/models", self.models, methods=["GET"])
+        route("/v1/models/{model_id:path}", self.model, methods=["GET"])
+        route("/v1/completions", self.completions, methods=["POST"], openapi_extra=_body_schema(CompletionRequest))
+        chat = _body_schema(ChatCompletionRequest)
+        route("/v1/chat/completions", self.chat_completions, methods=["POST"], openapi_extra=chat)
+        tokenize = _body_schema(TokenizeCompletionRequest, TokenizeChatRequest)
+        route("/tokenize", self.tokenize, methods=["POST"], openapi_extra=tokenize)
+        route("/detokenize", self.detokenize, methods=["POST"], openapi_extra=_body_schema(DetokenizeRequest))
+        route("/metrics", self.prometheus, methods=["GET"])
+        route("/openapi.json", self.openapi, methods=["GET"], include_in_schema=False)
+        route("/health", self.health, methods=["GET"])
+        route("/version", self.version, methods=["GET"])
 
     # -- admission -----------------------------------------------------------------------------
 
@@ -175,19 +240,42 @@ class HttpApi:
         if limit and self.in_flight > limit:
             raise ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"more than max_concurrent_rpcs={limit} calls at once")
 
-    async def _body(self, request: Request, model: type[pydantic.BaseModel]) -> Any:
-        raw = await request.body()
-        if len(raw) > self.config.max_message_bytes:
-            limit = self.config.max_message_bytes
-            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"body over {limit} bytes", http_status=413)
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, refused (413) from its Content-Length or once what arrived passes max_message_bytes."""
+        limit = self.config.max_message_bytes
+        too_large = ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"body over max_message_bytes {limit}", http_status=413)
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _body(self, request: Request, *models: type[pydantic.BaseModel]) -> Any:
+        """The body as the first of `models` whose fields it names (the last one otherwise), validated; its
+        model checked against the one served (where it names one)."""
+        raw = await self._read_body(request)
         try:
-            body = model.model_validate_json(raw)
+            data = pydantic_core.from_json(raw)
+        except ValueError as e:
+            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"the body is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, "the body must be a JSON object")
+        model = next((m for m in models[:-1] if set(m.model_fields) >= set(data)), models[-1])
+        try:
+            body = model.model_validate(data)
         except pydantic.ValidationError as e:
             first = e.errors()[0]
-            param = ".".join(str(x) for x in first["loc"]) or None
+            param = param_of(first)
             message = first["msg"].removeprefix("Value error, ")
-            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"{param}: {message}", param=param) from None
-        if body.model != self.model_name:
+            raise ApiError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"{param}: {message}" if param else message, param=param
+            ) from None
+        if getattr(body, "model", None) not in (None, self.model_name):
             error = ApiError(
                 grpc.StatusCode.NOT_FOUND, f"model {body.model!r} is not served here (this is {self.model_name!r})"
             )
@@ -195,19 +283,94 @@ class HttpApi:
             raise error
         return body
 
-    # -- endpoints -----------------------------------------------------------------------------
-
-    async def models(self, request: Request) -> JSONResponse:
-        call = self._begin(request, "/v1/models")
+    async def _answer(self, request: Request, path: str, answer: Callable[[], Awaitable[Response]]) -> Response:
+        """A call that is not a turn: admitted (token, calls at once), counted and logged as the turns are."""
+        call = self._begin(request, path)
         try:
             self._admit(request, call)
-            response = JSONResponse(model_list(self.model_name, self.created))
+            response = await answer()
         except Exception as e:
             error = api_error(e, call.request_id)
             call.finish(error)
             return _with_id(error.response(), call)
         call.finish()
         return _with_id(response, call)
+
+    # -- endpoints -----------------------------------------------------------------------------
+
+    async def _card(self) -> dict[str, Any]:
+        return model_card(self.model_name, self.created, await self.engine.max_model_len())
+
+    async def models(self, request: Request) -> Response:
+        async def answer() -> Response:
+            return JSONResponse({"object": "list", "data": [await self._card()]})
+
+        return await self._answer(request, "/v1/models", answer)
+
+    async def model(self, request: Request, model_id: str) -> Response:
+        async def answer() -> Response:
+            if model_id != self.model_name:
+                error = ApiError(grpc.StatusCode.NOT_FOUND, f"the model {model_id!r} does not exist")
+                error.error_code, error.param = "model_not_found", "model"
+                raise error
+            return JSONResponse(await self._card())
+
+        return await self._answer(request, "/v1/models/{model}", answer)
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize: the ids /v1/completions or /v1/chat/completions would start from."""
+
+        async def answer() -> Response:
+            body = await self._body(request, TokenizeCompletionRequest, TokenizeChatRequest)
+            tokenizer = self.engine.tokenizer
+            if isinstance(body, TokenizeChatRequest):
+                messages = [chat_message(m.to_proto()) for m in body.messages]
+                encode = partial(self.engine.chat.encode, messages, False, body.add_generation_prompt)
+            else:
+                encode = partial(tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
+            try:
+                ids = list(await asyncio.to_thread(encode))  # a long text: off the event loop
+            except ValueError as e:
+                raise RequestError(f"messages: {e}", "messages") from None
+            strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+            max_model_len = await self.engine.max_model_len()
+            return JSONResponse({"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs})
+
+        return await self._answer(request, "/tokenize", answer)
+
+    async def detokenize(self, request: Request) -> Response:
+        async def answer() -> Response:
+            body = await self._body(request, DetokenizeRequest)
+            vocab_size = self.engine.vocab_size
+            bad = next((i for i, t in enumerate(body.tokens) if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                message = f"tokens[{bad}]: token id {body.tokens[bad]} is outside [0, {vocab_size})"
+                raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, message, param=f"tokens[{bad}]")
+            text = await asyncio.to_thread(self.engine.tokenizer.decode, body.tokens)
+            return JSONResponse({"prompt": text})
+
+        return await self._answer(request, "/detokenize", answer)
+
+    async def prometheus(self, request: Request) -> Response:
+        async def answer() -> Response:
+            return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+        return await self._answer(request, "/metrics", answer)
+
+    async def openapi(self, request: Request) -> Response:
+        async def answer() -> Response:
+            return JSONResponse(self.app.openapi())
+
+        return await self._answer(request, "/openapi.json", answer)
+
+    async def health(self) -> Response:
+        """200 while the gateway serves (what vLLM's /health answers), 503 once it drains; open, like gRPC health."""
+        if self.draining:
+            return JSONResponse(error_body("the gateway is draining", "service_unavailable_error"), status_code=503)
+        return Response(status_code=200)
+
+    async def version(self) -> Response:
+        return JSONResponse({"version": _VERSION})
 
     async def completions(self, request: Request):
         return await self._generate(request, "/v1/completions", CompletionRequest)
@@ -219,7 +382,7 @@ class HttpApi:
         call = self._begin(request, path)
         events: AsyncIterator[gateway_pb2.GenerateEvent] | None = None
         observe: Any = None
-        first = None
+        first = body = None
         try:
             self._admit(request, call)
             body = await self._body(request, model)
@@ -227,13 +390,14 @@ class HttpApi:
             observe = self.metrics.observer(_GENERATE)  # the Generate stream metrics, as for a gRPC call
             first = await anext(events)  # the turn started (or the request was refused: raised here)
             observe(first)
-            reply = Reply(model is ChatCompletionRequest, call.request_id, self.model_name, first.session_id)
+            chat, spec = model is ChatCompletionRequest, SpecDecodeMetrics.of(first.started.params)
+            reply = Reply(chat, call.request_id, self.model_name, first.session_id, spec)
             reply.include_usage = body.include_usage
             if body.stream:
                 return _with_id(self._stream_response(call, events, observe, first.started, reply), call)
             response = await self._whole(request, call, events, observe, first.started, reply)
         except Exception as e:
-            error = api_error(e, call.request_id)
+            error = api_error(e, call.request_id, body)
             call.finish(error)
             if events is not None:
                 await events.aclose()
@@ -245,7 +409,7 @@ class HttpApi:
 
     async def _whole(self, request, call, events, observe, started, reply) -> JSONResponse:
         """Wait for the turn's end, or for the client to leave (then cancel the turn)."""
-        collect = asyncio.create_task(_collect(events, observe))
+        collect = asyncio.create_task(_collect(events, observe, reply.spec))
         gone = asyncio.create_task(_disconnected(request))
         try:
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -266,11 +430,14 @@ class HttpApi:
             async for event in events:
                 observe(event)
                 kind = event.WhichOneof("event")
+                if kind == "delta" and event.delta.HasField("stats"):
+                    reply.spec.observe(event.delta.stats)
                 if kind == "delta" and event.delta.text:
                     yield _sse(reply.chunk(event.delta.text))
                 elif kind == "finished":
                     call.finish()  # the turn is over: a client leaving now cancels nothing
-                    yield _sse(reply.chunk("", FINISH_REASONS[event.finished.reason]))
+                    last = not reply.include_usage  # else the usage chunk is the last
+                    yield _sse(reply.chunk("", FINISH_REASONS[event.finished.reason], last=last))
                     if reply.include_usage:
                         yield _sse(reply.usage_chunk(usage(started, event.finished)))
                     yield "data: [DONE]\n\n"
@@ -301,7 +468,7 @@ class HttpApi:
 
 
 async def _collect(
-    events: AsyncIterator[gateway_pb2.GenerateEvent], observe: Callable[[Any], None]
+    events: AsyncIterator[gateway_pb2.GenerateEvent], observe: Callable[[Any], None], spec: SpecDecodeMetrics
 ) -> tuple[str, gateway_pb2.GenerationFinished]:
     texts = []
     try:
@@ -310,6 +477,8 @@ async def _collect(
             kind = event.WhichOneof("event")
             if kind == "delta":
                 texts.append(event.delta.text)
+                if event.delta.HasField("stats"):
+                    spec.observe(event.delta.stats)
             elif kind == "finished":
                 return "".join(texts), event.finished
         raise ApiError(grpc.StatusCode.INTERNAL, "the turn ended without a finish event")
@@ -338,6 +507,25 @@ class _EventStream(StreamingResponse):
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()
                 await self.on_close()
+
+
+def _body_schema(*models: type[pydantic.BaseModel]) -> dict[str, Any]:
+    """The routes read their bodies themselves (HttpApi._body); this tells /openapi.json what they take."""
+    schemas = [m.model_json_schema() for m in models]
+    schema = schemas[0] if len(schemas) == 1 else {"oneOf": schemas}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+async def _route_error(request: Request, error: HTTPException) -> JSONResponse:
+    """An unknown route (404) or a route's wrong method (405), in OpenAI's shape (as OpenAI words it)."""
+    message = f"{error.detail} ({request.method} {request.url.path})"
+    body = error_body(message, "invalid_request_error" if error.status_code < 500 else "internal_error")
+    return JSONResponse(body, status_code=error.status_code, headers=error.headers)
+
+
+async def _unexpected(request: Request, error: Exception) -> JSONResponse:
+    log.error("%s %s failed", request.method, request.url.path, exc_info=error)
+    return JSONResponse(error_body("internal error", "internal_error"), status_code=500)
 
 
 def _sse(body: dict[str, Any]) -> str:

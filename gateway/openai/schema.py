@@ -7,23 +7,28 @@ its events by `Reply`. What is supported of OpenAI's API:
               frequency_penalty (0 only)
     completions       prompt (a string or token ids; one prompt), echo (false), logprobs (null),
                       suffix (null), best_of (1), logit_bias (empty)
-    chat.completions  messages (role + content: a string or text parts), max_completion_tokens,
-                      logprobs (false)
+    chat.completions  messages (role: system, developer, user, assistant or tool (with tool_call_id);
+                      content: a string or text parts, required; name: passed to the chat template),
+                      max_completion_tokens, logprobs (false)
     rsd's own (extra body fields): method, shape, top_k, session_id (continue that session: its
     committed tokens, then this request's prompt or messages)
-Anything else is refused (400), never silently ignored: a field that changes sampling must not be dropped.
+    /tokenize, /detokenize  vLLM's bodies (TokenizeCompletionRequest / TokenizeChatRequest, DetokenizeRequest)
+A null is the field's default, as OpenAI and vLLM read it. Anything else is refused (400), never silently ignored:
+a field that changes sampling must not be dropped.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from rsd_service.client import build_params
 from rsd_wire import common_pb2, gateway_pb2
+from rsd_wire.convert import parse_method
 
 FINISH_REASONS = {
     common_pb2.FINISH_REASON_LENGTH: "length",
@@ -34,7 +39,13 @@ FINISH_REASONS = {
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """`"n": null` reads as an absent n (OpenAI and vLLM accept nulls; some clients send them)."""
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
 class StreamOptions(_Body):
@@ -134,14 +145,35 @@ class TextPart(_Body):
     text: str
 
 
+ROLES = Literal["system", "developer", "user", "assistant", "tool"]
+
+
 class ChatMessage(_Body):
-    role: str
-    content: str | list[TextPart] | None = None
+    """OpenAI's message, as OpenAI checks it: a known role, content required (an assistant's may be absent
+    only beside tool_calls, which are not supported), a tool message names its tool_call_id."""
+
+    role: ROLES
+    content: str | list[TextPart]
+    name: str | None = None  # the participant's name: passed to the chat template (most ignore it)
+    tool_call_id: str | None = Field(None, validate_default=True)
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_call_id(cls, value: str | None, info: ValidationInfo) -> str | None:
+        role = info.data.get("role")  # absent: the role was refused already
+        if role == "tool" and value is None:
+            raise ValueError("required in a tool message")
+        if role not in (None, "tool") and value is not None:
+            raise ValueError("only in a tool message")
+        return value
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "\n".join(part.text for part in self.content)
-        return self.content or ""
+        return self.content
+
+    def to_proto(self) -> gateway_pb2.ChatMessage:
+        return gateway_pb2.ChatMessage(role=self.role, content=self.text(), name=self.name or "")
 
 
 class ChatCompletionRequest(_GenerateBody):
@@ -159,7 +191,36 @@ class ChatCompletionRequest(_GenerateBody):
         return self.max_completion_tokens or self.max_tokens or 0
 
     def set_input(self, request: gateway_pb2.GenerateRequest) -> None:
-        request.messages.messages.extend(gateway_pb2.ChatMessage(role=m.role, content=m.text()) for m in self.messages)
+        request.messages.messages.extend(m.to_proto() for m in self.messages)
+
+
+class TokenizeCompletionRequest(_Body):
+    """vLLM's /tokenize body for a prompt. add_special_tokens defaults to false: the ids /v1/completions uses."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Body):
+    """vLLM's /tokenize body for messages: their chat template rendering, as /v1/chat/completions makes it."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False  # the template writes its own, as for /v1/chat/completions
+    return_token_strs: bool = False
+
+    @field_validator("add_special_tokens")
+    @classmethod
+    def _template_only(cls, value: bool) -> bool:
+        return _only(value, False, "add_special_tokens")
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,8 +237,74 @@ def error_body(message: str, kind: str, code: str | None = None, param: str | No
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def model_list(name: str, created: int) -> dict[str, Any]:
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "rsd"}]}
+def model_card(name: str, created: int, max_model_len: int) -> dict[str, Any]:
+    """OpenAI's model object, with vLLM's max_model_len (GatewayEngine.max_model_len)."""
+    return {"id": name, "object": "model", "created": created, "owned_by": "rsd", "max_model_len": max_model_len}
+
+
+_BODIES = (StreamOptions, CompletionRequest, TextPart, ChatMessage, ChatCompletionRequest)
+_BODIES += (TokenizeCompletionRequest, TokenizeChatRequest, DetokenizeRequest)
+_FIELDS = frozenset(name for body in _BODIES for name in body.model_fields)
+
+
+def param_of(error: Mapping[str, Any]) -> str | None:
+    """A pydantic error's location as the parameter a client sent: ("messages", 0, "role") -> "messages[0].role";
+    the union members pydantic names after it ("prompt", "list[int]", 3) are left out, an unknown field is named."""
+    param, loc = "", error["loc"]
+    for i, part in enumerate(loc):
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif part in _FIELDS or (error["type"] == "extra_forbidden" and i == len(loc) - 1):
+            param += f".{part}" if param else part
+        else:
+            break
+    return param or None
+
+
+@dataclass
+class SpecDecodeMetrics:
+    """vLLM's per-request `metrics.speculative_decoding` (its --per-request-spec-decode-metrics summary), from the
+    StepStats of one turn. A step verifies one draft tree, so where vLLM drafts a chain of num_spec_tokens:
+        num_spec_steps             target calls (steps) of the turn
+        num_draft_tokens           drafted tree nodes (a chain's k per step; a tree drafts more)
+        num_accepted_draft_tokens  draft tokens the acceptance rule kept
+        draft_acceptance_rate      accepted / drafted (0 without drafts)
+        mean_acceptance_length     tokens per step: 1 (the correction or bonus token) + accepted / steps
+        num_spec_tokens            the tree's depth L: the most draft tokens one step can accept
+        acceptance_histogram       [L + 1]: [j] = the steps that accepted exactly j draft tokens
+    Field names and meanings: vLLM PR 48915 (vllm-project/vllm), whose chains make num_draft_tokens = k * steps."""
+
+    depth: int
+    num_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    histogram: list[int] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, params: common_pb2.GenerationParams) -> SpecDecodeMetrics:
+        depth = parse_method(params.method.name, params.method.shape).depth if params.method.name else 0
+        return cls(depth, histogram=[0] * (depth + 1))
+
+    def observe(self, stats: common_pb2.StepStats) -> None:
+        self.num_steps += 1
+        self.num_draft_tokens += stats.num_draft_tokens
+        self.num_accepted_tokens += stats.num_accepted_tokens
+        self.histogram.extend([0] * (stats.num_accepted_tokens + 1 - len(self.histogram)))
+        self.histogram[stats.num_accepted_tokens] += 1
+
+    def body(self) -> dict[str, Any]:
+        steps, drafted, accepted = self.num_steps, self.num_draft_tokens, self.num_accepted_tokens
+        return {
+            "speculative_decoding": {
+                "mean_acceptance_length": 1 + accepted / steps if steps else 0.0,
+                "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
+                "acceptance_histogram": list(self.histogram),
+                "num_spec_steps": steps,
+                "num_accepted_draft_tokens": accepted,
+                "num_draft_tokens": drafted,
+                "num_spec_tokens": self.depth,
+            }
+        }
 
 
 @dataclass
@@ -189,6 +316,7 @@ class Reply:
     request_id: str
     model: str
     session_id: str
+    spec: SpecDecodeMetrics  # fed each step's stats; in the whole reply and the stream's last chunk
     include_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -203,9 +331,12 @@ class Reply:
             choice = {"index": 0, "text": text}
         choice.update(logprobs=None, finish_reason=finish_reason)
         kind = "chat.completion" if self.chat else "text_completion"
-        return {**self._head(kind), "choices": [choice], "usage": token_usage, "session_id": self.session_id}
+        body = {**self._head(kind), "choices": [choice], "usage": token_usage, "session_id": self.session_id}
+        return {**body, "metrics": self.spec.body()}
 
-    def chunk(self, text: str, finish_reason: str | None = None, first: bool = False) -> dict[str, Any]:
+    def chunk(
+        self, text: str, finish_reason: str | None = None, first: bool = False, last: bool = False
+    ) -> dict[str, Any]:
         if self.chat:
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
             choice = {"index": 0, "delta": delta}
@@ -215,8 +346,11 @@ class Reply:
         body = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
         if self.include_usage:
             body["usage"] = None
-        return {**body, "session_id": self.session_id}
+        body["session_id"] = self.session_id
+        return {**body, "metrics": self.spec.body()} if last else body
 
     def usage_chunk(self, token_usage: dict[str, int]) -> dict[str, Any]:
+        """The last chunk when the client asked for usage (stream_options.include_usage)."""
         kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._head(kind), "choices": [], "usage": token_usage, "session_id": self.session_id}
+        body = {**self._head(kind), "choices": [], "usage": token_usage, "session_id": self.session_id}
+        return {**body, "metrics": self.spec.body()}

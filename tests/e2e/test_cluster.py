@@ -181,6 +181,13 @@ def test_secure_cluster_in_one_command(tmp_path, capsys):
         assert command[:4] == ["rsd", "generate", "--server", started.gateway_address]
         assert cli.main([*command[1 : command.index("--prompt")], "--prompt", "w7 w8", "--max-new-tokens", "3"]) == 0
         assert capsys.readouterr().out.startswith("w7 w8")
+        # and so does its openai client of the HTTP API (base URL, token file, CA)
+        assert started.http_url.startswith("https://")
+        snippet = sec.openai_snippet(started.http_url)
+        assert sec.how_to_connect(started.gateway_address, started.http_url)[-1].strip() == snippet
+        scope: dict = {}
+        exec(snippet, scope)
+        assert [m.id for m in scope["client"].models.list().data] == ["rsd-tiny"]
     finally:
         started.stop()
 

@@ -6,10 +6,16 @@ HTTP from one engine. Every HTTP answer is checked against what the gRPC API giv
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import copy
+import http.client
+import json
 import ssl
+import threading
 import time
 from dataclasses import dataclass
+from importlib import metadata
 
 import grpc
 import httpx2 as httpx
@@ -23,6 +29,7 @@ from gateway.server import create_server
 from gateway.store.memory_store import MemorySessionStore
 from rsd_service.client import RsdClient
 from rsd_service.security import ClientSecurity
+from rsd_tools.launcher import ClusterSecurity
 from rsd_tools.tiny import word_tokenizer
 from rsd_wire import common_pb2, gateway_pb2
 from tests.fixtures.pki import make_pki
@@ -270,29 +277,37 @@ def test_auth_failures_are_401(gw):
 
 
 @pytest.mark.parametrize(
-    ("change", "reason"),
+    ("change", "param", "reason"),
     [
-        ({"n": 2}, "only 1"),
-        ({"temperature": -1}, "temperature"),
-        ({"top_p": 0}, "top_p"),
-        ({"max_tokens": 100_000}, "max_new_tokens"),
-        ({"prompt": ["w1", "w2"]}, "one prompt per request"),
-        ({"prompt": ""}, "must not be empty"),
-        ({"logprobs": 2}, "logprobs"),
-        ({"bogus": 1}, "bogus"),
-        ({"method": "beam"}, "unknown method"),
-        ({"session_id": "no-such-session"}, "no-such-session"),
+        ({"n": 2}, "n", "only 1"),
+        ({"temperature": -1}, "temperature", "temperature: Input should be greater than or equal to 0"),
+        ({"temperature": float("nan")}, "temperature", "temperature: Input should be a finite number"),
+        ({"top_p": 0}, "top_p", "top_p"),
+        ({"top_k": 0.5}, "top_k", "top_k: Input should be a valid integer"),
+        ({"max_tokens": 100_000}, "max_tokens", "max_tokens: must be in [1, 2048], got 100000"),
+        ({"prompt": ["w1", "w2"]}, "prompt", "one prompt per request"),
+        ({"prompt": ""}, "prompt", "prompt: must not be empty"),
+        ({"prompt": [4, 99_999]}, "prompt", "prompt: token id 99999 is outside [0, "),
+        ({"stop": ["x"] * 9}, "stop", "stop: at most 8, got 9"),
+        ({"stream": "maybe"}, "stream", "stream: Input should be a valid boolean"),
+        ({"logprobs": 2}, "logprobs", "logprobs"),
+        ({"bogus": 1}, "bogus", "bogus: Extra inputs are not permitted"),
+        ({"model": None}, "model", "model: Field required"),
+        ({"method": "beam"}, "method", "method: unknown method"),
+        ({"session_id": "no-such-session"}, None, "no-such-session"),
     ],
 )
-def test_bad_parameters_are_400_with_the_reason(gw, change, reason):
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, **change}
-    reply = httpx.post(
-        f"{gw.base_url}/completions", json=body, headers={"authorization": f"Bearer {TOKEN}"}, timeout=60
-    )
+def test_bad_parameters_are_400_naming_the_parameter(gw, change, param, reason):
+    """The message begins with the parameter the client sent (never the engine's params.max_new_tokens or
+    token_ids.ids), and `param` names it."""
+    body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 4, **change})  # NaN as JSON's NaN
+    headers = {"authorization": f"Bearer {TOKEN}", "content-type": "application/json"}
+    reply = httpx.post(f"{gw.base_url}/completions", content=body, headers=headers, timeout=60)
     expected = 404 if "session_id" in change else 400
     assert reply.status_code == expected, reply.text
     error = reply.json()["error"]
-    assert reason in error["message"] and set(error) == {"message", "type", "param", "code"}
+    assert reason in error["message"] and error["param"] == param, error
+    assert set(error) == {"message", "type", "param", "code"}
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
@@ -308,7 +323,8 @@ def test_over_the_context_length_is_400_context_length_exceeded(gw, path, stream
     assert reply.status_code == 400 and reply.headers["content-type"] == "application/json", reply.text
     error = reply.json()["error"]
     assert (error["code"], error["type"]) == ("context_length_exceeded", "invalid_request_error")
-    assert "maximum context length is 2048 tokens" in error["message"] and "2040 max_new_tokens" in error["message"]
+    assert "maximum context length is 2048 tokens" in error["message"] and "2040 new tokens" in error["message"]
+    assert error["param"] == ("prompt" if path == "completions" else "messages")
     client = gw.openai()
     create = client.completions.create if path == "completions" else client.chat.completions.create
     with pytest.raises(openai.BadRequestError) as info:
@@ -339,6 +355,9 @@ def test_body_over_max_message_bytes_is_413(start_gateway):
     headers = {"authorization": f"Bearer {TOKEN}"}
     reply = httpx.post(f"{small.base_url}/completions", json=body, headers=headers, timeout=60)
     assert reply.status_code == 413 and "4096" in reply.json()["error"]["message"]
+    with pytest.raises(openai.APIStatusError) as info:
+        small.openai().completions.create(model=MODEL, prompt="w1 " * 2000, max_tokens=2)
+    assert info.value.status_code == 413 and info.value.body["message"] == "body over max_message_bytes 4096"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -415,3 +434,307 @@ def test_http_calls_share_the_gateway_metrics(gw):
     assert 'rsd_gateway_requests_total{code="OK",method="/v1/completions"}' in text
     assert 'rsd_gateway_requests_total{code="UNAUTHENTICATED",method="/v1/completions"}' in text
     assert 'rsd_gateway_generated_tokens_total{method="rsd_c"}' in text
+
+
+# ---------------------------------------------------------------------------------------------
+# What clients of vLLM's or OpenAI's server expect
+
+
+def _auth(**headers) -> dict[str, str]:
+    return {"authorization": f"Bearer {TOKEN}", **headers}
+
+
+def test_nulls_read_as_the_defaults(gw):
+    """`null` in a nullable field is its default, as OpenAI and vLLM read it (some clients send them)."""
+    nulls = dict.fromkeys(["stream", "n", "presence_penalty", "frequency_penalty", "temperature", "seed", "stop"])
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "w5"}], "max_tokens": 3, "logprobs": None, **nulls}
+    reply = httpx.post(f"{gw.base_url}/chat/completions", json=body, headers=_auth(), timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["object"] == "chat.completion"  # stream: null is no stream
+    completion = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "echo": None, "best_of": None, **nulls}
+    assert httpx.post(f"{gw.base_url}/completions", json=completion, headers=_auth(), timeout=60).status_code == 200
+    # the official client sends an explicit None as null too
+    out = gw.openai().completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, n=None, presence_penalty=None)
+    assert out.choices[0].finish_reason in ("length", "stop")
+
+
+def test_a_named_message_reaches_the_chat_template(start_gateway, tiny_tokenizer):
+    """`name` (LangChain's HumanMessage(name=...)) is accepted and passed to the template with role and content."""
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.chat_template = tok.chat_template.replace(
+        "{{ message['content'] }}", "{{ message.get('name', '') }} {{ message['content'] }}"
+    )
+    named = start_gateway(tokenizer=tok)
+    messages = [{"role": "user", "name": "w33", "content": "w5 w6"}]
+    out = named.openai().chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert "w33 w5 w6" in rendered
+    assert out.usage.prompt_tokens == len(tok.encode(rendered, add_special_tokens=False))
+
+
+@pytest.mark.parametrize(
+    ("message", "param", "reason"),
+    [
+        ({"role": "wizard", "content": "w5"}, "messages[0].role", "Input should be 'system', 'developer'"),
+        ({"role": "tool", "content": "w5"}, "messages[0].tool_call_id", "required in a tool message"),
+        ({"role": "user", "content": "w5", "tool_call_id": "t1"}, "messages[0].tool_call_id", "only in a tool"),
+        ({"role": "user"}, "messages[0].content", "Field required"),
+        ({"role": "assistant", "content": None}, "messages[0].content", "Field required"),
+        ({"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}, "messages[0].content", ""),
+    ],
+)
+def test_messages_are_checked_as_openai_checks_them(gw, message, param, reason):
+    body = {"model": MODEL, "messages": [message], "max_tokens": 2}
+    reply = httpx.post(f"{gw.base_url}/chat/completions", json=body, headers=_auth(), timeout=60)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and error["message"].startswith(f"{param}: ") and reason in error["message"]
+
+
+@pytest.mark.parametrize("name", ["max_tokens", "max_completion_tokens"])
+def test_chat_names_the_max_tokens_parameter_it_was_sent(gw, name):
+    with pytest.raises(openai.BadRequestError) as info:
+        gw.openai().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w5"}], **{name: 9999})
+    assert info.value.param == name and info.value.body["message"] == f"{name}: must be in [1, 2048], got 9999"
+
+
+def test_every_openai_role_is_accepted(gw, tiny_tokenizer):
+    messages = [
+        {"role": "developer", "content": "w3"},
+        {"role": "user", "content": [{"type": "text", "text": "w5"}], "name": "w7"},
+        {"role": "assistant", "content": "w6"},
+        {"role": "tool", "content": "w8", "tool_call_id": "call-1"},
+    ]
+    out = gw.openai().chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    rendered = [("developer", "w3"), ("user", "w5"), ("assistant", "w6"), ("tool", "w8")]
+    assert out.usage.prompt_tokens == len(chat_ids(tiny_tokenizer, rendered))
+
+
+def test_every_error_has_openai_shape(gw):
+    """Unknown routes, wrong methods and bodies that are not JSON objects answer {"error": {...}}, not FastAPI's
+    {"detail": ...}, and no message begins with "None"."""
+    replies = {
+        404: httpx.get(f"{gw.base_url}/nothing-here", headers=_auth(), timeout=60),
+        405: httpx.get(f"{gw.base_url}/completions", headers=_auth(), timeout=60),
+        400: httpx.post(f"{gw.base_url}/completions", content=b"{not json", headers=_auth(), timeout=60),
+    }
+    for status, reply in replies.items():
+        assert reply.status_code == status and set(reply.json()) == {"error"}, reply.text
+        error = reply.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and not error["message"].startswith("None")
+    assert replies[404].json()["error"]["message"] == "Not Found (GET /v1/nothing-here)"
+    assert replies[405].headers["allow"] == "POST"
+    assert replies[400].json()["error"]["message"].startswith("the body is not valid JSON: ")
+    listed = httpx.post(f"{gw.base_url}/completions", json=[1], headers=_auth(), timeout=60)
+    assert listed.json()["error"]["message"] == "the body must be a JSON object"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_max_tokens_over_the_context_is_refused_as_vllm_does(gw, stream):
+    """prompt + max_tokens over the context (vLLM: max_model_len) is 400 context_length_exceeded, before any
+    byte streams: max_tokens 2048 leaves no room for the prompt in a 2048-token context."""
+    with pytest.raises(openai.BadRequestError) as info:
+        gw.openai().completions.create(model=MODEL, prompt="w5", max_tokens=2048, stream=stream)
+    assert info.value.code == "context_length_exceeded" and info.value.param == "prompt"
+    assert "maximum context length is 2048 tokens" in info.value.message
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_read(start_gateway):
+    """413 from the size check, never a body buffered whole: from a Content-Length over max_message_bytes before
+    any of the body is sent, and from a chunked body as soon as what arrived passes the limit (the body never
+    ends here: only the size check can answer it)."""
+    small = start_gateway(max_message_bytes=4096)
+    address = small.base_url.removeprefix("http://").removesuffix("/v1")
+    declared = http.client.HTTPConnection(address, timeout=60)
+    declared.putrequest("POST", "/v1/completions")
+    for name, value in {**_auth(), "content-type": "application/json", "content-length": str(10**9)}.items():
+        declared.putheader(name, value)
+    declared.endheaders()  # and nothing of the body
+    reply = declared.getresponse()
+    assert reply.status == 413 and json.loads(reply.read())["error"]["message"] == "body over max_message_bytes 4096"
+    chunked = http.client.HTTPConnection(address, timeout=60)
+    chunked.putrequest("POST", "/v1/completions")
+    for name, value in {**_auth(), "content-type": "application/json", "transfer-encoding": "chunked"}.items():
+        chunked.putheader(name, value)
+    chunked.endheaders()
+    for _ in range(5):  # 5 KB of an unfinished body
+        chunked.send(b"400\r\n" + b" " * 1024 + b"\r\n")
+    reply = chunked.getresponse()
+    assert reply.status == 413 and "max_message_bytes" in json.loads(reply.read())["error"]["message"]
+
+
+class _HeldTokenizer:
+    """The tiny tokenizer, except that encoding a text with HOLD in it waits until the test releases it."""
+
+    HOLD = "w59 w59 w59"
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+    def __len__(self) -> int:
+        return len(self._tokenizer)
+
+    def encode(self, text, **kwargs):
+        if self.HOLD in text:
+            self.entered.set()
+            assert self.release.wait(60)
+        return self._tokenizer.encode(text, **kwargs)
+
+
+def test_a_tokenisation_in_progress_holds_up_no_other_call(start_gateway, tiny_tokenizer):
+    """A prompt is tokenised off the event loop: while one is being tokenised (held here until the test lets
+    it go), the gateway answers other calls; were it on the loop, they would wait for it (and time out)."""
+    held = _HeldTokenizer(tiny_tokenizer)
+    slow = start_gateway(tokenizer=held)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        waiting = pool.submit(slow.openai().completions.create, model=MODEL, prompt=f"w5 {held.HOLD}", max_tokens=2)
+        tokenizing = pool.submit(
+            httpx.post, f"{slow.base_url[:-3]}/tokenize", json={"prompt": held.HOLD}, headers=_auth(), timeout=60
+        )
+        assert held.entered.wait(60)
+        try:
+            assert [m.id for m in slow.openai().models.list().data] == [MODEL]
+            assert slow.openai().completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).usage.prompt_tokens == 4
+            assert not waiting.done() and not tokenizing.done()
+        finally:
+            held.release.set()
+        assert waiting.result(60).usage.prompt_tokens == 4 and tokenizing.result(60).json()["count"] == 3
+
+
+def test_health_version_and_one_model(gw):
+    root = gw.base_url[:-3]
+    assert httpx.get(f"{root}/health", timeout=60).status_code == 200  # no token needed, as for gRPC health
+    assert httpx.get(f"{root}/version", timeout=60).json() == {"version": metadata.version("rsd")}
+    model = gw.openai().models.retrieve(MODEL)
+    assert (model.id, model.object, model.owned_by, model.max_model_len) == (MODEL, "model", "rsd", 2048)
+    assert gw.openai().models.list().data == [model]
+    with pytest.raises(openai.NotFoundError) as info:
+        gw.openai().models.retrieve("gpt-4o")
+    assert info.value.code == "model_not_found"
+
+
+def test_health_is_503_while_the_gateway_drains(loop, start_gateway):
+    """A draining gateway (SIGTERM: GatewayHandle.drain lets running turns finish) answers /health 503, so a
+    load balancer sends it nothing new, as gRPC health turns NOT_SERVING."""
+    draining = start_gateway()
+    health = draining.base_url[:-3] + "/health"
+    assert httpx.get(health, timeout=60).status_code == 200
+    with draining.openai().completions.create(model=MODEL, prompt=PROMPT, max_tokens=2000, stream=True) as stream:
+        next(iter(stream))  # a turn is running: the drain waits for it
+        drained = asyncio.run_coroutine_threadsafe(draining.handle.drain(60), loop.loop)
+        replies = (httpx.get(health, timeout=60) for _ in range(1000))
+        reply = next(r for r in replies if r.status_code != 200)
+        assert reply.status_code == 503 and reply.json()["error"]["type"] == "service_unavailable_error"
+    drained.result(60)  # closing the stream cancelled the turn: the drain ends
+
+
+def test_tokenize_and_detokenize_as_vllm(gw, tiny_tokenizer):
+    """vLLM's /tokenize (a prompt, or messages through the chat template) gives the ids the completions
+    endpoints start from; /detokenize turns ids back into text."""
+    root = gw.base_url[:-3]
+    ids = tiny_tokenizer.encode(PROMPT, add_special_tokens=False)
+    prompt = httpx.post(f"{root}/tokenize", json={"model": MODEL, "prompt": PROMPT}, headers=_auth(), timeout=60)
+    assert prompt.json() == {"count": 4, "max_model_len": 2048, "tokens": ids, "token_strs": None}
+    strs = httpx.post(
+        f"{root}/tokenize", json={"prompt": PROMPT, "return_token_strs": True}, headers=_auth(), timeout=60
+    )
+    assert strs.json()["token_strs"] == PROMPT.split()
+    messages = [{"role": r, "content": c} for r, c in CHAT]
+    chat = httpx.post(f"{root}/tokenize", json={"messages": messages}, headers=_auth(), timeout=60).json()
+    used = gw.openai().chat.completions.create(model=MODEL, messages=messages, max_tokens=1).usage.prompt_tokens
+    assert chat["tokens"] == chat_ids(tiny_tokenizer, CHAT) and chat["count"] == used
+    text = httpx.post(f"{root}/detokenize", json={"model": MODEL, "tokens": ids}, headers=_auth(), timeout=60)
+    assert text.json() == {"prompt": PROMPT}
+    bad = httpx.post(f"{root}/detokenize", json={"tokens": [1, -1]}, headers=_auth(), timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens[1]"
+    other = httpx.post(f"{root}/tokenize", json={"model": "gpt-4o", "prompt": "w1"}, headers=_auth(), timeout=60)
+    assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
+    assert httpx.post(f"{root}/tokenize", json={"prompt": "w1"}, timeout=60).status_code == 401
+
+
+@pytest.mark.parametrize("path", ["/metrics", "/openapi.json", "/v1/models/rsd-tiny", "/tokenize"])
+def test_the_token_guards_every_route_but_health_and_version(gw, path):
+    method = "POST" if path == "/tokenize" else "GET"
+    url = gw.base_url[:-3] + path
+    refused = httpx.request(method, url, json={"prompt": "w1"}, timeout=60)
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.request(method, url, json={"prompt": "w1"}, headers=_auth(), timeout=60).status_code == 200
+
+
+def test_metrics_and_schema_on_the_http_port(gw):
+    root = gw.base_url[:-3]
+    gw.openai().completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+    metrics = httpx.get(f"{root}/metrics", headers=_auth(), timeout=60)
+    assert metrics.headers["content-type"].startswith("text/plain")
+    assert 'rsd_gateway_requests_total{code="OK",method="/v1/completions"}' in metrics.text
+    schema = httpx.get(f"{root}/openapi.json", headers=_auth(), timeout=60).json()
+    paths = schema["paths"]
+    assert {"/v1/chat/completions", "/tokenize", "/health"} <= set(paths) and "/openapi.json" not in paths
+    chat = paths["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert {"model", "messages", "max_tokens", "stream"} <= set(chat["properties"]) and "messages" in chat["required"]
+
+
+def test_the_secure_cluster_openai_snippet_connects(start_gateway, tmp_path_factory):
+    """What `rsd cluster --secure` prints for the openai client (ClusterSecurity.openai_snippet) works as
+    printed: base URL, the token file, the CA, and the client certificate where the public API asks for one."""
+    folder = tmp_path_factory.mktemp("snippet")
+    pki = make_pki(folder)
+    (folder / "token").write_text(TOKEN + "\n")
+    secure = start_gateway(tls_cert=pki["server"], tls_key=pki["server_key"], tls_ca=pki["ca"])
+    sec = ClusterSecurity(
+        pki["server"], pki["server_key"], pki["ca"], pki["client"], pki["client_key"], True, str(folder / "token")
+    )
+    lines = sec.how_to_connect("127.0.0.1:1", secure.base_url)
+    assert lines[-1].strip() == sec.openai_snippet(secure.base_url)
+    scope: dict = {}
+    exec(sec.openai_snippet(secure.base_url), scope)
+    assert [m.id for m in scope["client"].models.list().data] == [MODEL]
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-response speculative decoding metrics (vLLM's metrics.speculative_decoding)
+
+
+def _spec_metrics(steps, depth: int) -> dict:
+    """What the reply must say for these StepStats (the definitions of gateway.openai.schema.SpecDecodeMetrics)."""
+    accepted, drafted = sum(s.num_accepted_tokens for s in steps), sum(s.num_draft_tokens for s in steps)
+    histogram = [sum(s.num_accepted_tokens == j for s in steps) for j in range(depth + 1)]
+    return {
+        "mean_acceptance_length": 1 + accepted / len(steps),
+        "draft_acceptance_rate": accepted / drafted,
+        "acceptance_histogram": histogram,
+        "num_spec_steps": len(steps),
+        "num_accepted_draft_tokens": accepted,
+        "num_draft_tokens": drafted,
+        "num_spec_tokens": depth,
+    }
+
+
+@pytest.mark.parametrize("include_usage", [False, True], ids=["finish-chunk", "usage-chunk"])
+def test_speculative_metrics_in_the_reply_and_the_last_chunk(gw, include_usage):
+    """The whole reply and the stream's last chunk (the usage chunk when asked for, else the finish chunk) carry
+    the turn's `metrics.speculative_decoding`, equal to what its steps' StepStats say over gRPC for the same
+    seeded request."""
+    kwargs = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0.8, "seed": 3}
+    with gw.grpc() as client:
+        ref = client.generate(PROMPT, temperature=0.8, seed=3, max_new_tokens=24, **RSD_C).wait()
+    expected = _spec_metrics(ref.steps, depth=3)  # rsd_c 2,2,1: trees of depth 3
+    assert expected["num_accepted_draft_tokens"] > 0 and sum(expected["acceptance_histogram"]) == len(ref.steps)
+    whole = gw.openai().completions.create(model=MODEL, extra_body=RSD_C, **kwargs)
+    assert whole.model_extra["metrics"] == {"speculative_decoding": expected}
+    options = {"stream_options": {"include_usage": True}} if include_usage else {}
+    chunks = list(gw.openai().completions.create(model=MODEL, stream=True, extra_body=RSD_C, **kwargs, **options))
+    assert chunks[-1].model_extra["metrics"] == {"speculative_decoding": expected}
+    assert all("metrics" not in c.model_extra for c in chunks[:-1])
+    chat = gw.openai().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "w5"}],
+        max_tokens=4,
+        extra_body={"method": "sd", "shape": "4"},
+    )
+    spec = chat.model_extra["metrics"]["speculative_decoding"]
+    assert spec["num_spec_tokens"] == 4 and len(spec["acceptance_histogram"]) == 5 and spec["num_spec_steps"] >= 1
