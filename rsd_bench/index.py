@@ -131,6 +131,17 @@ def _gpu_check(r: dict) -> str:
     return f"{best['pipelined_speedup_vs_ar']:.2f}x the target alone: {best['method']}, T={best['temperature']:g}"
 
 
+def _rule_gap(r: dict) -> str:
+    worst = {
+        v: max(row["gap"] / row["bound"] for row in r["rows"] if row["verification"] == v)
+        for v in ("token", "traversal")
+    }
+    return (
+        f"largest gap to the optimal acceptance: traversal {worst['traversal']:.1%}, token rules {worst['token']:.1%} "
+        "(toy laws)"
+    )
+
+
 HEADLINES: dict[str, Callable[[dict], str]] = {
     "methods": _methods,
     "disaggregated": _disaggregated,
@@ -142,6 +153,7 @@ HEADLINES: dict[str, Callable[[dict], str]] = {
     "predraft_coverage": _predraft_coverage,
     "loadtest": _loadtest,
     "gpu_check": _gpu_check,
+    "rule_gap": _rule_gap,
 }
 
 
