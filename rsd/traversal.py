@@ -91,7 +91,7 @@ def traversal_tests(tree: DraftTree, laws: NodeLaws, without_replacement: bool =
         # DEVIATION (as rsd.acceptance._residual): S = 0 means no residual mass; then alpha_parent is 0 and
         # its law is never used (or, with alpha_parent = 1, this rejection had probability 0).
         q[parent] = r / s if s > 0 else q[parent]
-        alpha[parent] = s / (s + 1 - a) if s + 1 - a > 0 else 1.0
+        alpha[parent] = s / (s + (1 - a)) if s + (1 - a) > 0 else 1.0  # 1 - a first: exactly 1 at the root
         if without_replacement:
             kept = p[parent].clone()
             kept[tokens[node]] = 0
@@ -127,7 +127,7 @@ def block_tests(tree: DraftTree, laws: NodeLaws) -> Iterator[Test]:
         q_i, p_i = laws_at[i]
         r = (ratio[i] * q_i - p_i).clamp_min(0)  # [V]
         s = float(r.sum())
-        h = s / (s + 1 - ratio[i]) if s + 1 - ratio[i] > 0 else 1.0
+        h = s / (s + (1 - ratio[i])) if s + (1 - ratio[i]) > 0 else 1.0  # exactly 1 at i = 0
         yield i, h, (r / s if s > 0 else q_i)  # DEVIATION as in traversal_tests: no mass, never used
 
 

@@ -7,6 +7,8 @@ the same enumeration catches: the other variant's sibling law, siblings out of s
 next token drawn from q where the rule's residual belongs.
 """
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -135,7 +137,14 @@ def _next_token_from_q(tests):
     return wrong
 
 
-@pytest.mark.parametrize(("method", "tests"), [("rsd_c_2x2", traversal_tests), ("sd_chain3", block_tests)])
+@pytest.mark.parametrize(
+    ("method", "tests"),
+    [
+        ("rsd_c_2x2", traversal_tests),
+        ("specinfer_2x2", partial(traversal_tests, without_replacement=False)),
+        ("sd_chain3", block_tests),
+    ],
+)
 def test_negative_control_next_token_from_q_instead_of_the_residual(method, tests):
     draft, target = LAWS["random"]()
     build, _, depth = METHODS[method]
@@ -180,3 +189,13 @@ def test_methods_pair_each_verification_with_its_exact_variant():
         Method.parse("rsd_c", "2,2,1").rule(False, "block")
     with pytest.raises(ValueError, match="unknown verification 'oracle'"):
         Method.parse("sd", "4").rule(False, "oracle")
+
+
+@pytest.mark.parametrize("tests", [traversal_tests, block_tests])
+def test_the_root_is_tested_last_with_probability_exactly_one(tests):
+    """verify draws no uniform for the root (it has no parent to key one by): its a must be 1.0, not 1 - 1e-16."""
+    draft, target = LAWS["T=2"]()
+    shape = [2, 2] if tests is traversal_tests else [1, 1, 1]
+    for tree, _ in toy.branching_tree_law(draft, V, shape, toy.DraftMode.WITHOUT_REPLACEMENT):
+        *_, (node, a, _) = tests(tree, _plain_laws(tree, toy.target_probs_for(tree, target)))
+        assert (node, a) == (0, 1.0)
