@@ -19,6 +19,12 @@ law of what one step emits from the same node laws, for the enumeration proofs i
     rrs_with_replacement    siblings drawn i.i.d.                      SpecInfer (multi-round), SD when K=1
     kseq                    i.i.d. siblings, chains merged by prefix   SpecTr K-SEQ, in rsd.spectr
     greedy                  anything, temperature 0                    greedy matching
+    traversal               siblings WITHOUT replacement, per node     Traversal Verification, in rsd.traversal
+    traversal_with_replacement  siblings drawn i.i.d.                  the same walk, p kept (rsd.traversal)
+    block                   one chain                                  block verification, in rsd.traversal
+
+The last three judge whole paths, leaf to root, instead of node by node: a rule with `tests` gives
+the list of (node, a, law) tests of rsd.traversal, and the walk takes the first that passes.
 
 One RRS node, worked (tests/rsd/test_acceptance.py checks these numbers). V = 4, children x_1 = 1, x_2 = 2:
     q        = [0.25, 0.25, 0.25, 0.25]    target
@@ -44,8 +50,9 @@ Why each rule is exact, the methods side by side and the tests that prove them: 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -53,10 +60,12 @@ from torch import Tensor
 from rsd.random import Draw, StepRandom
 from rsd.sampling import check_probs, sample
 from rsd.spectr import kseq, merged_children
+from rsd.traversal import NodeLaws, Test, block_tests, traversal_tests, uniform_column
 from rsd.tree import DraftTree, path_to
 
 NodeLaw = Callable[[Tensor, Tensor, Tensor], tuple[list[float], Tensor]]  # (q, p, child_ids) -> (a, residual)
 ChildrenOf = Callable[[DraftTree, int], Tensor]  # (tree, node) -> child_idx [K]
+Tests = Callable[[DraftTree, NodeLaws], Iterator[Test]]  # whole-path rules (rsd.traversal)
 
 
 def _residual(q: Tensor, p: Tensor) -> Tensor:
@@ -114,9 +123,10 @@ def own_children(tree: DraftTree, node: int) -> Tensor:
 @dataclass(frozen=True)
 class Rule:
     name: str
-    node_law: NodeLaw
+    node_law: NodeLaw | None  # None for a whole-path rule
     children_of: ChildrenOf = own_children  # K-SEQ: the children of every chain on the same prefix
     reads_draft_law: bool = True  # False for greedy matching: p is never read, so its support is moot
+    tests: Tests | None = None  # a whole-path rule's tests in order (rsd.traversal), instead of node_law
 
 
 RULES = {
@@ -124,6 +134,11 @@ RULES = {
     "rrs_with_replacement": Rule("rrs_with_replacement", rrs_with_replacement),
     "kseq": Rule("kseq", kseq, children_of=merged_children),
     "greedy": Rule("greedy", greedy, reads_draft_law=False),
+    "traversal": Rule("traversal", None, tests=traversal_tests),
+    "traversal_with_replacement": Rule(
+        "traversal_with_replacement", None, tests=partial(traversal_tests, without_replacement=False)
+    ),
+    "block": Rule("block", None, tests=block_tests),
 }
 
 
@@ -190,6 +205,8 @@ def verify(tree: DraftTree, target_probs: Tensor, rule: Rule, rng: StepRandom | 
     _check_shapes(tree, target_probs)
     if rng is None and rule.name != "greedy":
         raise ValueError(f"rule {rule.name!r} needs the step's random stream")
+    if rule.tests is not None:
+        return _verify_by_tests(tree, target_probs, rule, rng)
     node = 0
     while True:
         child_idx = rule.children_of(tree, node)  # [K], in sampling order
@@ -210,6 +227,28 @@ def verify(tree: DraftTree, target_probs: Tensor, rule: Rule, rng: StepRandom | 
     return Verdict(accepted_idx, tree.token_ids[accepted_idx].tolist(), token, is_bonus)
 
 
+def _laws(tree: DraftTree, target_probs: Tensor, rule: Rule) -> NodeLaws:
+    """node -> (q, p) [V], checked as the top-down walk checks them, for a whole-path rule."""
+    return lambda node: _node_laws(tree, target_probs, node, own_children(tree, node), rule)
+
+
+def _verify_by_tests(tree: DraftTree, target_probs: Tensor, rule: Rule, rng: StepRandom) -> Verdict:
+    """A whole-path rule: the first of its tests to pass (u < a) accepts the path to its node. The test of
+    node n reads the uniform (Draw.ACCEPT, parent, rank of n among its siblings), RRS's for that node."""
+    for node, a, law in rule.tests(tree, _laws(tree, target_probs, rule)):  # the last test has a = 1
+        if a >= 1 or float(rng.uniform(Draw.ACCEPT, *_column(tree, node))[0]) < a:
+            token = int(sample(law, _uniforms(rng, Draw.TOKEN, node, 1, law.device)[0]))
+            break
+    accepted_idx = path_to(tree.parent_idx, node)
+    is_bonus = not bool((tree.parent_idx == node).any())  # an original leaf: law is q there, unchanged
+    return Verdict(accepted_idx, tree.token_ids[accepted_idx].tolist(), token, is_bonus)
+
+
+def _column(tree: DraftTree, node: int) -> tuple[int, Tensor]:
+    parent, rank = uniform_column(tree, node)
+    return parent, torch.tensor([rank], device=tree.parent_idx.device)
+
+
 def step_law(tree: DraftTree, target_probs: Tensor, rule: Rule) -> dict[tuple[int, ...], float]:
     """Exact law of the tokens one `verify` step emits: {emitted token ids: probability}."""
     _check_shapes(tree, target_probs)
@@ -218,6 +257,16 @@ def step_law(tree: DraftTree, target_probs: Tensor, rule: Rule) -> dict[tuple[in
     def emit(prefix: tuple[int, ...], mass: float, probs: Tensor) -> None:
         for y in probs.nonzero().flatten().tolist():
             law[(*prefix, y)] = law.get((*prefix, y), 0.0) + mass * float(probs[y])
+
+    if rule.tests is not None:  # the tests in order: reach test j with the mass that failed all before it
+        mass = 1.0
+        for node, a, probs in rule.tests(tree, _laws(tree, target_probs, rule)):
+            if a > 0:
+                emit(tuple(tree.token_ids[path_to(tree.parent_idx, node)].tolist()), mass * min(a, 1.0), probs)
+            mass *= 1 - min(a, 1.0)
+            if mass <= 0:
+                break
+        return law
 
     def walk(node: int, prefix: tuple[int, ...], mass: float) -> None:
         child_idx = rule.children_of(tree, node)  # [K]

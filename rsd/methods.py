@@ -10,6 +10,12 @@
 At temperature 0 every method drafts its shape greedily (top-K children; beam search for rsd_s;
 top-K first drafts then greedy chains for spectr) and verifies by greedy matching.
 
+Verification (`Method.rule(greedy, verification)`, T > 0): "token" is the rule above, node by node;
+"traversal" is Traversal Verification (rsd.traversal), in the variant that is exact for the method's
+siblings (without replacement: sd, rsd_c, rsd_s; i.i.d.: specinfer, spectr); "block" is block
+verification, for shapes that are one chain. A pairing that is not exact raises ValueError. At T = 0
+every choice is greedy matching: the target's greedy output is the only exact one.
+
 Any shape may end in "@tau" (e.g. "rsd_s:3x8@0.3", "sd:10@0.4"): the confidence stop of
 rsd.drafting, which makes the shape an upper bound and drafts deep only where the draft is sure.
 """
@@ -28,6 +34,14 @@ METHOD_NAMES = ("sd", "specinfer", "spectr", "rsd_c", "rsd_s")
 # The shape each method runs with when none is given (gateway, CLI): chains of 4, trees of 5-12 nodes.
 DEFAULT_SHAPES = {"sd": "4", "specinfer": "2,2,1", "spectr": "3x4", "rsd_c": "2,2,1", "rsd_s": "3x4"}
 _RULE = {"sd": "rrs", "specinfer": "rrs_with_replacement", "spectr": "kseq", "rsd_c": "rrs", "rsd_s": "rrs"}
+VERIFICATIONS = ("token", "traversal", "block")
+_TRAVERSAL = {  # the variant exact for the method's siblings (tests/rsd/test_traversal.py)
+    "sd": "traversal",
+    "specinfer": "traversal_with_replacement",
+    "spectr": "traversal_with_replacement",
+    "rsd_c": "traversal",
+    "rsd_s": "traversal",
+}
 _DRAFT_MODE = {  # at T > 0; rsd_s drafts by Stochastic Beam Search instead
     "sd": DraftMode.WITHOUT_REPLACEMENT,
     "specinfer": DraftMode.IID,
@@ -95,8 +109,19 @@ class Method:
             total += width
         return total
 
-    def rule(self, greedy: bool) -> Rule:
-        return RULES["greedy" if greedy else _RULE[self.name]]
+    def rule(self, greedy: bool, verification: str = "token") -> Rule:
+        """The acceptance rule: greedy matching at T = 0, else the chosen verification (module docstring)."""
+        if verification not in VERIFICATIONS:
+            raise ValueError(f"unknown verification {verification!r}; expected one of {', '.join(VERIFICATIONS)}")
+        if verification == "block" and self.max_draft_tokens != self.depth:
+            raise ValueError(
+                f"block verification is exact for one chain only; {self.name} with this shape drafts trees "
+                "(use a chain shape, or verification 'traversal')"
+            )
+        if greedy:
+            return RULES["greedy"]
+        name = {"token": _RULE[self.name], "traversal": _TRAVERSAL[self.name], "block": "block"}[verification]
+        return RULES[name]
 
     def draft(self, proposal: Proposal, root_token: int, rng: StepRandom, greedy: bool, device="cpu") -> DraftTree:
         """The method's tree; rng: the step's Stream.DRAFT draws (unused when greedy)."""

@@ -141,6 +141,17 @@ def _gpu_check(r: dict) -> str:
     return "; ".join(parts)
 
 
+def _rule_gap(r: dict) -> str:
+    def mean_gap(verification: str) -> float:
+        gaps = [row["gap"] for row in r["rows"] if row["verification"] == verification]
+        return sum(gaps) / len(gaps)
+
+    return (
+        f"mean gap to the optimal acceptance: traversal {mean_gap('traversal'):.3f}, token rules "
+        f"{mean_gap('token'):.3f} tokens/step (toy laws)"
+    )
+
+
 HEADLINES: dict[str, Callable[[dict], str]] = {
     "methods": _methods,
     "disaggregated": _disaggregated,
@@ -152,6 +163,7 @@ HEADLINES: dict[str, Callable[[dict], str]] = {
     "predraft_coverage": _predraft_coverage,
     "loadtest": _loadtest,
     "gpu_check": _gpu_check,
+    "rule_gap": _rule_gap,
 }
 
 

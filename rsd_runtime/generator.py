@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from functools import partial
 
-from rsd.acceptance import Verdict
+from rsd.acceptance import Rule, Verdict
 from rsd.methods import Method
 from rsd.random import StepRandom, Stream
 from rsd.sampling import SamplingParams
@@ -31,6 +31,7 @@ from rsd_runtime.runner import ModelRunner
 @dataclass
 class GenerationStats:
     method: str
+    rule: str = ""  # the acceptance rule that ran (rsd.acceptance.RULES; the `verification` chosen); "" alone
     new_tokens: int = 0
     target_calls: int = 0
     draft_forwards: int = 0
@@ -132,17 +133,20 @@ class SpeculativeGenerator:
         max_new_tokens: int = 64,
         eos_token_ids: tuple[int, ...] = (),
         seed: int = 0,
+        verification: str = "token",
     ) -> GenerationResult:
+        """verification: which exact rule judges the trees ("token", "traversal", "block"; rsd.methods)."""
         params = params or SamplingParams()
         if not prompt_ids:
             raise ValueError("the prompt needs at least one token")
         if method is not None and self.drafter is None:
             raise ValueError(f"method {method.name} needs a draft model")
+        rule = method.rule(params.greedy, verification) if method is not None else None  # ValueError if not exact
         runners = [self.verifier.runner] + ([self.drafter.runner] if self.drafter else [])
         for runner in runners:
             runner.reset()
         self._next_tree = None
-        stats = GenerationStats(method.name if method else "ar")
+        stats = GenerationStats(method.name if method else "ar", rule.name if rule else "")
         committed, start, t0 = list(prompt_ids), len(prompt_ids), time.perf_counter()
         while len(committed) - start < max_new_tokens:
             if method is None:
@@ -153,7 +157,7 @@ class SpeculativeGenerator:
             else:
                 budget = max_new_tokens - (len(committed) - start)
                 ends = partial(finishes, budget=budget, eos_token_ids=eos_token_ids)
-                new = self._speculative_step(committed, method, params, seed, stats, ends)
+                new = self._speculative_step(committed, method, rule, params, seed, stats, ends)
             stats.target_calls += 1
             new, finish = cut_step(new, max_new_tokens - (len(committed) - start), eos_token_ids)
             committed += new
@@ -167,6 +171,7 @@ class SpeculativeGenerator:
         self,
         committed: list[int],
         method: Method,
+        rule: Rule,
         params: SamplingParams,
         seed: int,
         stats: GenerationStats,
@@ -183,7 +188,7 @@ class SpeculativeGenerator:
         self.before_verify(Step(committed, tree, method, params, seed, finishes))
         t_verify = time.perf_counter()
         rng = StepRandom(seed, Stream.VERIFY, root_position)
-        verdict = self.verifier.verify(committed, tree, method.rule(params.greedy), params, rng)
+        verdict = self.verifier.verify(committed, tree, rule, params, rng)
         t_accept = time.perf_counter()
         self._next_tree = self.after_verdict(committed, verdict, stats)
         if self._next_tree is None:

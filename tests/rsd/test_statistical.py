@@ -77,6 +77,15 @@ PIPELINES = {  # drafter, rule, depth
     "rsd_s_w3_l2": (lambda p, g: draft_sbs(toy.TableProposal(p), 0, 3, 2, g), "rrs", 2),
     "specinfer_2x2": (lambda p, g: draft_tree(toy.TableProposal(p), 0, [2, 2], IID, g), "rrs_with_replacement", 2),
     "spectr_k3_l2": (lambda p, g: draft_spectr(toy.TableProposal(p), 0, 3, 2, g), "kseq", 2),
+    # the whole-path rules (rsd.traversal) through verify's own draws
+    "rsd_c_2x2_traversal": (lambda p, g: draft_tree(toy.TableProposal(p), 0, [2, 2], WOR, g), "traversal", 2),
+    "rsd_s_w3_l2_traversal": (lambda p, g: draft_sbs(toy.TableProposal(p), 0, 3, 2, g), "traversal", 2),
+    "specinfer_2x2_traversal": (
+        lambda p, g: draft_tree(toy.TableProposal(p), 0, [2, 2], IID, g),
+        "traversal_with_replacement",
+        2,
+    ),
+    "sd_3_block": (lambda p, g: draft_tree(toy.TableProposal(p), 0, [1, 1, 1], WOR, g), "block", 3),
 }
 
 

@@ -123,23 +123,39 @@ def target_law_two_tokens(model, prompt: list[int], params: SamplingParams) -> d
 
 
 @pytest.mark.parametrize(
-    ("name", "shape", "params"),
+    ("name", "shape", "params", "verification"),
     [
-        ("rsd_c", "2,2", SamplingParams(temperature=1.0)),
-        ("rsd_s", "3x2", SamplingParams(temperature=0.7, top_k=6)),
-        ("spectr", "2x2", SamplingParams(temperature=1.0, top_p=0.9)),
-        ("rsd_s", "3x2@0.3", SamplingParams(temperature=1.0)),
+        ("rsd_c", "2,2", SamplingParams(temperature=1.0), "token"),
+        ("rsd_s", "3x2", SamplingParams(temperature=0.7, top_k=6), "token"),
+        ("spectr", "2x2", SamplingParams(temperature=1.0, top_p=0.9), "token"),
+        ("rsd_s", "3x2@0.3", SamplingParams(temperature=1.0), "token"),
+        ("rsd_c", "2,2", SamplingParams(temperature=1.0), "traversal"),
+        ("specinfer", "2,2", SamplingParams(temperature=0.7, top_k=6), "traversal"),
+        ("sd", "3", SamplingParams(temperature=1.0), "block"),
     ],
 )
-def test_first_tokens_follow_target_law(tiny_vocab_pair, name, shape, params):
+def test_first_tokens_follow_target_law(tiny_vocab_pair, name, shape, params, verification):
     draft, target = tiny_vocab_pair
     gen = SpeculativeGenerator(ModelRunner(target, 64), ModelRunner(draft, 64))
     prompt, n, counts = [2, 5, 6], 1500, {}
     for seed in range(n):
-        out = gen.generate(prompt, Method.parse(name, shape), params, max_new_tokens=2, seed=seed)
+        out = gen.generate(
+            prompt, Method.parse(name, shape), params, max_new_tokens=2, seed=seed, verification=verification
+        )
         key = tuple(out.token_ids)
         counts[key] = counts.get(key, 0) + 1
     assert chi_square_pvalue(counts, target_law_two_tokens(target, prompt, params), n) > 1e-4
+
+
+def test_verification_is_recorded_and_a_pairing_that_is_not_exact_is_refused(tiny_vocab_pair):
+    draft, target = tiny_vocab_pair
+    gen = SpeculativeGenerator(ModelRunner(target, 64), ModelRunner(draft, 64))
+    params = SamplingParams(temperature=1.0)
+    out = gen.generate([2, 5, 6], Method.parse("spectr", "2x2"), params, max_new_tokens=4, verification="traversal")
+    assert out.stats.rule == "traversal_with_replacement"
+    assert gen.generate([2, 5, 6], Method.parse("sd", "3"), params, max_new_tokens=4).stats.rule == "rrs"
+    with pytest.raises(ValueError, match="one chain only"):
+        gen.generate([2, 5, 6], Method.parse("rsd_c", "2,2"), params, max_new_tokens=4, verification="block")
 
 
 def test_small_batch_linear_keeps_greedy_output(pair):
