@@ -71,6 +71,7 @@ from gateway.openai.schema import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    Logprobs,
     Reply,
     SpecDecodeMetrics,
     TokenizeChatRequest,
@@ -139,7 +140,9 @@ def _public_param(error: RequestError, body: Any) -> str | None:
         return "messages" if chat else "prompt"  # as OpenAI names it
     if error.field == "params.sampling":  # SamplingParams names the one it refuses first
         reason = str(error)[len(error.field) + 2 :]
-        return next((p for p in ("temperature", "top_k", "top_p") if reason.startswith(p)), None)
+        return next((p for p in ("temperature", "top_k", "top_p", "logit_bias") if reason.startswith(p)), None)
+    if error.field == "params.top_logprobs":
+        return "top_logprobs" if chat else "logprobs"
     if error.field == "params.max_new_tokens" and chat and body.max_completion_tokens is not None:
         return "max_completion_tokens"
     return _PUBLIC.get(error.field)
@@ -393,6 +396,8 @@ class HttpApi:
             chat, spec = model is ChatCompletionRequest, SpecDecodeMetrics.of(first.started.params)
             reply = Reply(chat, call.request_id, self.model_name, first.session_id, spec)
             reply.include_usage = body.include_usage
+            if body.num_top_logprobs is not None:
+                reply.logprobs = Logprobs(chat, self.engine.tokenizer.decode)
             if body.stream:
                 return _with_id(self._stream_response(call, events, observe, first.started, reply), call)
             response = await self._whole(request, call, events, observe, first.started, reply)
@@ -409,7 +414,7 @@ class HttpApi:
 
     async def _whole(self, request, call, events, observe, started, reply) -> JSONResponse:
         """Wait for the turn's end, or for the client to leave (then cancel the turn)."""
-        collect = asyncio.create_task(_collect(events, observe, reply.spec))
+        collect = asyncio.create_task(_collect(events, observe, reply))
         gone = asyncio.create_task(_disconnected(request))
         try:
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -420,8 +425,8 @@ class HttpApi:
                 await self._cancel_turn(reply.session_id)
         if not collect.done() or collect.cancelled():
             raise ApiError(grpc.StatusCode.CANCELLED, "the client disconnected")  # nobody reads this answer
-        text, finished = collect.result()
-        return JSONResponse(reply.whole(text, FINISH_REASONS[finished.reason], usage(started, finished)))
+        text, finished, entries = collect.result()
+        return JSONResponse(reply.whole(text, FINISH_REASONS[finished.reason], usage(started, finished), entries))
 
     async def _stream(self, call, events, observe, started, reply) -> AsyncIterator[str]:
         """The SSE body: a first chunk, one per delta with text, the finish, [usage], [DONE]."""
@@ -432,8 +437,9 @@ class HttpApi:
                 kind = event.WhichOneof("event")
                 if kind == "delta" and event.delta.HasField("stats"):
                     reply.spec.observe(event.delta.stats)
-                if kind == "delta" and event.delta.text:
-                    yield _sse(reply.chunk(event.delta.text))
+                entries = reply.logprobs.entries(event.delta) if kind == "delta" and reply.logprobs else None
+                if kind == "delta" and (event.delta.text or entries):
+                    yield _sse(reply.chunk(event.delta.text, entries=entries))
                 elif kind == "finished":
                     call.finish()  # the turn is over: a client leaving now cancels nothing
                     last = not reply.include_usage  # else the usage chunk is the last
@@ -468,9 +474,10 @@ class HttpApi:
 
 
 async def _collect(
-    events: AsyncIterator[gateway_pb2.GenerateEvent], observe: Callable[[Any], None], spec: SpecDecodeMetrics
-) -> tuple[str, gateway_pb2.GenerationFinished]:
-    texts = []
+    events: AsyncIterator[gateway_pb2.GenerateEvent], observe: Callable[[Any], None], reply: Reply
+) -> tuple[str, gateway_pb2.GenerationFinished, list]:
+    """-> the turn's text, its finish and its tokens' logprobs entries (Logprobs.entries; [] when not asked)."""
+    texts, entries = [], []
     try:
         async for event in events:
             observe(event)
@@ -478,9 +485,11 @@ async def _collect(
             if kind == "delta":
                 texts.append(event.delta.text)
                 if event.delta.HasField("stats"):
-                    spec.observe(event.delta.stats)
+                    reply.spec.observe(event.delta.stats)
+                if reply.logprobs is not None:
+                    entries += reply.logprobs.entries(event.delta)
             elif kind == "finished":
-                return "".join(texts), event.finished
+                return "".join(texts), event.finished, entries
         raise ApiError(grpc.StatusCode.INTERNAL, "the turn ended without a finish event")
     finally:
         observe.end()

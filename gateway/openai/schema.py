@@ -4,12 +4,12 @@ Requests turn into the gateway's own GenerateRequest (`to_generate_request`); re
 its events by `Reply`. What is supported of OpenAI's API:
     both      model, max_tokens, temperature, top_p, seed, stop (a string or a list), stream,
               stream_options.include_usage, n (1 only), user (ignored), presence_penalty and
-              frequency_penalty (0 only)
-    completions       prompt (a string or token ids; one prompt), echo (false), logprobs (null),
-                      suffix (null), best_of (1), logit_bias (empty)
+              frequency_penalty (0 only), logit_bias (token id -> bias in [-100, 100])
+    completions       prompt (a string or token ids; one prompt), echo (false), logprobs (0..20),
+                      suffix (null), best_of (1)
     chat.completions  messages (role: system, developer, user, assistant or tool (with tool_call_id);
                       content: a string or text parts, required; name: passed to the chat template),
-                      max_completion_tokens, logprobs (false)
+                      max_completion_tokens, logprobs, top_logprobs (0..20, with logprobs)
     rsd's own (extra body fields): method, shape, top_k, session_id (continue that session: its
     committed tokens, then this request's prompt or messages)
     /tokenize, /detokenize  vLLM's bodies (TokenizeCompletionRequest / TokenizeChatRequest, DetokenizeRequest)
@@ -20,15 +20,17 @@ a field that changes sampling must not be dropped.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from rsd.logprobs import MAX_TOP_LOGPROBS
+from rsd.sampling import MAX_LOGIT_BIAS
 from rsd_service.client import build_params
 from rsd_wire import common_pb2, gateway_pb2
-from rsd_wire.convert import parse_method
+from rsd_wire.convert import parse_method, token_logprobs_from_proto
 
 FINISH_REASONS = {
     common_pb2.FINISH_REASON_LENGTH: "length",
@@ -76,6 +78,19 @@ class _GenerateBody(_Body):
     shape: str | None = None
     top_k: int | None = Field(None, ge=0)
     session_id: str | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, bias: dict[str, float]) -> dict[str, float]:
+        """Keys are token ids (decimal strings, as JSON keys are), values in [-100, 100]; ids past the vocabulary
+        are refused by the gateway, which knows it."""
+        for key, value in bias.items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise ValueError(f"the bias of token {key} must be in [-100, 100], got {value}")
+        return bias
 
     @field_validator("n")
     @classmethod
@@ -95,6 +110,11 @@ class _GenerateBody(_Body):
     def new_tokens(self) -> int:
         return self.max_tokens or 0  # 0: the session's or the gateway's default
 
+    @property
+    def num_top_logprobs(self) -> int | None:
+        """None: no logprobs; else the top tokens to list at each position."""
+        raise NotImplementedError
+
     def set_input(self, request: gateway_pb2.GenerateRequest) -> None:
         raise NotImplementedError
 
@@ -102,8 +122,18 @@ class _GenerateBody(_Body):
         request = gateway_pb2.GenerateRequest(session_id=self.session_id or "", request_id=request_id)
         self.set_input(request)
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        bias = {int(t): b for t, b in (self.logit_bias or {}).items()}
         params = build_params(
-            self.method, self.shape, self.temperature, self.top_k, self.top_p, self.new_tokens, stops, self.seed
+            self.method,
+            self.shape,
+            self.temperature,
+            self.top_k,
+            self.top_p,
+            self.new_tokens,
+            stops,
+            self.seed,
+            bias,
+            self.num_top_logprobs,
         )
         if params is not None:
             request.params.CopyFrom(params)
@@ -113,10 +143,9 @@ class _GenerateBody(_Body):
 class CompletionRequest(_GenerateBody):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None
     best_of: int | None = None
-    logit_bias: dict[str, float] | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -127,11 +156,15 @@ class CompletionRequest(_GenerateBody):
             return prompt[0]
         return prompt
 
-    @field_validator("echo", "logprobs", "suffix", "best_of", "logit_bias")
+    @field_validator("echo", "suffix", "best_of")
     @classmethod
     def _unsupported(cls, value: Any, info: Any) -> Any:
-        allowed = {"echo": False, "best_of": 1, "logit_bias": {}}.get(info.field_name)
+        allowed = {"echo": False, "best_of": 1}.get(info.field_name)
         return value if value is None else _only(value, allowed, info.field_name)
+
+    @property
+    def num_top_logprobs(self) -> int | None:
+        return self.logprobs
 
     def set_input(self, request: gateway_pb2.GenerateRequest) -> None:
         if isinstance(self.prompt, str):
@@ -180,11 +213,18 @@ class ChatCompletionRequest(_GenerateBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
-    @field_validator("logprobs")
+    @field_validator("top_logprobs")
     @classmethod
-    def _no_logprobs(cls, value: bool) -> bool:
-        return _only(value, False, "logprobs")
+    def _with_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs: true")
+        return value
+
+    @property
+    def num_top_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def new_tokens(self) -> int:
@@ -307,6 +347,55 @@ class SpecDecodeMetrics:
         }
 
 
+_MIN_LOGPROB = -9999.0  # JSON has no -inf (a token the model rules out): vLLM's floor too
+
+# One token of a choice's logprobs: (its text, its logprob, the top tokens' (text, logprob) at its position).
+Entry = tuple[str, float, list[tuple[str, float]]]
+
+
+@dataclass
+class Logprobs:
+    """A choice's `logprobs` from its TokenDeltas' TokenLogprobs (the target's raw log-probabilities:
+    rsd.logprobs), in OpenAI's shapes. A token's text is the tokenizer's decoding of that one id.
+        chat         {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}
+        completions  {"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}: text_offset is
+                     where each token's text starts in the completion, counted over the chunks of a stream"""
+
+    chat: bool
+    decode: Callable[[list[int]], str]
+    text_offset: int = 0
+
+    def entries(self, delta: gateway_pb2.TokenDelta) -> list[Entry]:
+        if not delta.HasField("logprobs"):
+            return []
+        lp = token_logprobs_from_proto(delta.logprobs, len(delta.token_ids))
+        entries = []
+        for row, (token, logprob) in enumerate(zip(delta.token_ids, lp.logprobs.tolist(), strict=True)):
+            top = zip(lp.top_ids[row].tolist(), lp.top_logprobs[row].tolist(), strict=True)
+            alternatives = [(self.decode([t]), max(v, _MIN_LOGPROB)) for t, v in top]
+            entries.append((self.decode([token]), max(logprob, _MIN_LOGPROB), alternatives))
+        return entries
+
+    def body(self, entries: list[Entry]) -> dict[str, Any]:
+        if self.chat:
+
+            def item(token: str, logprob: float) -> dict[str, Any]:
+                return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+            content = [{**item(t, v), "top_logprobs": [item(s, x) for s, x in top]} for t, v, top in entries]
+            return {"content": content}
+        offsets = []
+        for token, _, _ in entries:
+            offsets.append(self.text_offset)
+            self.text_offset += len(token)
+        return {
+            "tokens": [t for t, _, _ in entries],
+            "token_logprobs": [v for _, v, _ in entries],
+            "top_logprobs": [dict(top) for _, _, top in entries],
+            "text_offset": offsets,
+        }
+
+
 @dataclass
 class Reply:
     """The reply objects of one request: a whole completion, or its stream's chunks. Each carries the
@@ -317,6 +406,7 @@ class Reply:
     model: str
     session_id: str
     spec: SpecDecodeMetrics  # fed each step's stats; in the whole reply and the stream's last chunk
+    logprobs: Logprobs | None = None  # the request asked for logprobs
     include_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -324,25 +414,36 @@ class Reply:
         prefix = "chatcmpl" if self.chat else "cmpl"
         return {"id": f"{prefix}-{self.request_id}", "object": kind, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, finish_reason: str, token_usage: dict[str, int]) -> dict[str, Any]:
+    def _logprobs(self, entries: list[Entry]) -> dict[str, Any] | None:
+        return None if self.logprobs is None else self.logprobs.body(entries)
+
+    def whole(
+        self, text: str, finish_reason: str, token_usage: dict[str, int], entries: list[Entry] | None = None
+    ) -> dict[str, Any]:
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}}
         else:
             choice = {"index": 0, "text": text}
-        choice.update(logprobs=None, finish_reason=finish_reason)
+        choice.update(logprobs=self._logprobs(entries or []), finish_reason=finish_reason)
         kind = "chat.completion" if self.chat else "text_completion"
         body = {**self._head(kind), "choices": [choice], "usage": token_usage, "session_id": self.session_id}
         return {**body, "metrics": self.spec.body()}
 
     def chunk(
-        self, text: str, finish_reason: str | None = None, first: bool = False, last: bool = False
+        self,
+        text: str,
+        finish_reason: str | None = None,
+        first: bool = False,
+        last: bool = False,
+        entries: list[Entry] | None = None,
     ) -> dict[str, Any]:
+        """entries: the logprobs of the chunk's tokens (None: a chunk without tokens, whose logprobs are null)."""
         if self.chat:
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
             choice = {"index": 0, "delta": delta}
         else:
             choice = {"index": 0, "text": text}
-        choice.update(logprobs=None, finish_reason=finish_reason)
+        choice.update(logprobs=None if entries is None else self._logprobs(entries), finish_reason=finish_reason)
         body = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
         if self.include_usage:
             body["usage"] = None
