@@ -23,7 +23,7 @@ cache is driven by its request manager. A slot pool with our own 4-D mask is a f
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -81,9 +81,15 @@ class VerifyRequest:
 
 @dataclass(frozen=True)
 class ScoredVerdict(Verdict):
-    """A verdict with its tokens' log-probabilities (VerifyRequest.num_top_logprobs set; else None)."""
+    """A verdict with its tokens' log-probabilities (VerifyRequest.num_top_logprobs set; else None). Two compare
+    equal when their verdicts do (the logprobs are a read-out of the same logits)."""
 
-    logprobs: TokenLogprobs | None = None
+    logprobs: TokenLogprobs | None = field(default=None, compare=False)
+
+    @property
+    def verdict(self) -> Verdict:
+        """The plain Verdict (to compare with rsd_runtime.engines.Verifier's)."""
+        return Verdict(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Verdict)})
 
 
 class VerifierPool:
@@ -257,5 +263,4 @@ def _scored(verdict: Verdict, logits: Tensor, req: VerifyRequest) -> ScoredVerdi
     if req.num_top_logprobs is not None:
         rows = logits[emitted_rows(verdict.accepted_idx)]  # [M, V]
         logprobs = token_logprobs(rows, torch.tensor(verdict.token_ids), req.num_top_logprobs)
-    fields = {f.name: getattr(verdict, f.name) for f in dataclasses.fields(verdict)}
-    return ScoredVerdict(**fields, logprobs=logprobs)
+    return ScoredVerdict(**{f.name: getattr(verdict, f.name) for f in dataclasses.fields(verdict)}, logprobs=logprobs)

@@ -3,7 +3,8 @@
 Requests turn into the gateway's own GenerateRequest (`to_generate_request`); replies are built from
 its events by `Reply`. What is supported of OpenAI's API:
     both      model, max_tokens, temperature, top_p, seed, stop (a string or a list), stream,
-              stream_options.include_usage, n (1 only), user (ignored), presence_penalty and
+              stream_options.include_usage, n (1..16: n sessions, seeds seed, seed + 1, ...), user (ignored),
+              presence_penalty and
               frequency_penalty (0 only), logit_bias (token id -> bias in [-100, 100])
     completions       prompt (a string or token ids; one prompt), echo (false), logprobs (0..20),
                       suffix (null), best_of (1)
@@ -31,6 +32,8 @@ from rsd.sampling import MAX_LOGIT_BIAS
 from rsd_service.client import build_params
 from rsd_wire import common_pb2, gateway_pb2
 from rsd_wire.convert import parse_method, token_logprobs_from_proto
+
+MAX_CHOICES = 16  # n: each choice is a session of its own (a turn against max_running_turns)
 
 FINISH_REASONS = {
     common_pb2.FINISH_REASON_LENGTH: "length",
@@ -69,7 +72,7 @@ class _GenerateBody(_Body):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     user: str | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -94,8 +97,18 @@ class _GenerateBody(_Body):
 
     @field_validator("n")
     @classmethod
-    def _one_choice(cls, n: int) -> int:
-        return _only(n, 1, "n")
+    def _choices(cls, n: int, info: ValidationInfo) -> int:
+        seed = info.data.get("seed")
+        if seed is not None and seed + n > 2**64:
+            raise ValueError(f"the choices' seeds seed .. seed + n - 1 must be below 2^64 (seed {seed})")
+        return n
+
+    @field_validator("session_id")
+    @classmethod
+    def _one_session(cls, session_id: str | None, info: ValidationInfo) -> str | None:
+        if session_id and info.data.get("n", 1) > 1:
+            raise ValueError("n > 1 starts n new sessions: it cannot continue one")
+        return session_id
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -117,6 +130,20 @@ class _GenerateBody(_Body):
 
     def set_input(self, request: gateway_pb2.GenerateRequest) -> None:
         raise NotImplementedError
+
+    def to_generate_requests(self, request_id: str) -> list[gateway_pb2.GenerateRequest]:
+        """One GenerateRequest per choice: n independent sessions, choice i with seed + i (each its own random
+        seed when none is given), so each choice alone is what n = 1 with that seed gives."""
+        first = self.to_generate_request(request_id)
+        requests = [first]
+        for i in range(1, self.n):
+            request = gateway_pb2.GenerateRequest()
+            request.CopyFrom(first)
+            request.request_id = f"{request_id}-{i}"
+            if self.seed is not None:
+                request.params.seed = self.seed + i
+            requests.append(request)
+        return requests
 
     def to_generate_request(self, request_id: str) -> gateway_pb2.GenerateRequest:
         request = gateway_pb2.GenerateRequest(session_id=self.session_id or "", request_id=request_id)
@@ -267,9 +294,10 @@ class DetokenizeRequest(_Body):
 # Replies
 
 
-def usage(started: gateway_pb2.GenerationStarted, finished: gateway_pb2.GenerationFinished) -> dict[str, int]:
-    """prompt_tokens: what this request's input appended (the prompt, or a continuation's new turn)."""
-    prompt, completion = started.input_length_tokens, finished.num_new_tokens
+def usage(started: gateway_pb2.GenerationStarted, finished: list[gateway_pb2.GenerationFinished]) -> dict[str, int]:
+    """prompt_tokens: what this request's input appended (the prompt, or a continuation's new turn), counted once
+    (as OpenAI counts it for n choices); completion_tokens: every choice's."""
+    prompt, completion = started.input_length_tokens, sum(f.num_new_tokens for f in finished)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -404,29 +432,32 @@ class Reply:
     chat: bool
     request_id: str
     model: str
-    session_id: str
+    session_id: str  # choice 0's
     spec: SpecDecodeMetrics  # fed each step's stats; in the whole reply and the stream's last chunk
-    logprobs: Logprobs | None = None  # the request asked for logprobs
     include_usage: bool = False
+    session_ids: list[str] = field(default_factory=list)  # every choice's, when n > 1 (`session_ids`, not OpenAI's)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def _head(self, kind: str) -> dict[str, Any]:
         prefix = "chatcmpl" if self.chat else "cmpl"
         return {"id": f"{prefix}-{self.request_id}", "object": kind, "created": self.created, "model": self.model}
 
-    def _logprobs(self, entries: list[Entry]) -> dict[str, Any] | None:
-        return None if self.logprobs is None else self.logprobs.body(entries)
+    def _sessions(self) -> dict[str, Any]:
+        many = {"session_ids": self.session_ids} if len(self.session_ids) > 1 else {}
+        return {"session_id": self.session_id, **many}
 
-    def whole(
-        self, text: str, finish_reason: str, token_usage: dict[str, int], entries: list[Entry] | None = None
-    ) -> dict[str, Any]:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
-        else:
-            choice = {"index": 0, "text": text}
-        choice.update(logprobs=self._logprobs(entries or []), finish_reason=finish_reason)
+    def whole(self, ends: list[tuple[str, str, dict[str, Any] | None]], token_usage: dict[str, int]) -> dict[str, Any]:
+        """ends: each choice's (text, finish reason, logprobs object or None)."""
+        choices = []
+        for index, (text, finish_reason, logprobs) in enumerate(ends):
+            if self.chat:
+                choice = {"index": index, "message": {"role": "assistant", "content": text}}
+            else:
+                choice = {"index": index, "text": text}
+            choice.update(logprobs=logprobs, finish_reason=finish_reason)
+            choices.append(choice)
         kind = "chat.completion" if self.chat else "text_completion"
-        body = {**self._head(kind), "choices": [choice], "usage": token_usage, "session_id": self.session_id}
+        body = {**self._head(kind), "choices": choices, "usage": token_usage, **self._sessions()}
         return {**body, "metrics": self.spec.body()}
 
     def chunk(
@@ -435,23 +466,24 @@ class Reply:
         finish_reason: str | None = None,
         first: bool = False,
         last: bool = False,
-        entries: list[Entry] | None = None,
+        logprobs: dict[str, Any] | None = None,
+        index: int = 0,
     ) -> dict[str, Any]:
-        """entries: the logprobs of the chunk's tokens (None: a chunk without tokens, whose logprobs are null)."""
+        """logprobs: the chunk's tokens' logprobs object (Logprobs.body), None when not asked or no tokens."""
         if self.chat:
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta}
+            choice = {"index": index, "delta": delta}
         else:
-            choice = {"index": 0, "text": text}
-        choice.update(logprobs=None if entries is None else self._logprobs(entries), finish_reason=finish_reason)
+            choice = {"index": index, "text": text}
+        choice.update(logprobs=logprobs, finish_reason=finish_reason)
         body = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
         if self.include_usage:
             body["usage"] = None
-        body["session_id"] = self.session_id
+        body.update(self._sessions())
         return {**body, "metrics": self.spec.body()} if last else body
 
     def usage_chunk(self, token_usage: dict[str, int]) -> dict[str, Any]:
         """The last chunk when the client asked for usage (stream_options.include_usage)."""
         kind = "chat.completion.chunk" if self.chat else "text_completion"
-        body = {**self._head(kind), "choices": [], "usage": token_usage, "session_id": self.session_id}
+        body = {**self._head(kind), "choices": [], "usage": token_usage, **self._sessions()}
         return {**body, "metrics": self.spec.body()}

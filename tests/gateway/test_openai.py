@@ -281,7 +281,9 @@ def test_auth_failures_are_401(gw):
 @pytest.mark.parametrize(
     ("change", "param", "reason"),
     [
-        ({"n": 2}, "n", "only 1"),
+        ({"n": 17}, "n", "n: Input should be less than or equal to 16"),
+        ({"n": 2, "seed": 2**64 - 1}, "n", "seeds seed .. seed + n - 1 must be below 2^64"),
+        ({"n": 2, "session_id": "abc"}, "session_id", "n > 1 starts n new sessions"),
         ({"temperature": -1}, "temperature", "temperature: Input should be greater than or equal to 0"),
         ({"temperature": float("nan")}, "temperature", "temperature: Input should be a finite number"),
         ({"top_p": 0}, "top_p", "top_p"),
@@ -308,7 +310,7 @@ def test_bad_parameters_are_400_naming_the_parameter(gw, change, param, reason):
     body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 4, **change})  # NaN as JSON's NaN
     headers = {"authorization": f"Bearer {TOKEN}", "content-type": "application/json"}
     reply = httpx.post(f"{gw.base_url}/completions", content=body, headers=headers, timeout=60)
-    expected = 404 if "session_id" in change else 400
+    expected = 404 if change.get("session_id") == "no-such-session" else 400
     assert reply.status_code == expected, reply.text
     error = reply.json()["error"]
     assert reason in error["message"] and error["param"] == param, error
@@ -870,3 +872,52 @@ def test_logit_bias_forces_and_bans_tokens(gw, tiny_tokenizer):
     with gw.grpc() as grpc_client:  # the same through gRPC
         ref = grpc_client.generate(PROMPT, temperature=0.0, max_new_tokens=8, logit_bias={forced: 100.0}).wait()
     assert ref.token_ids == [forced] * 8
+
+
+# ---------------------------------------------------------------------------------------------
+# n > 1: n sessions, seeds seed, seed + 1, ...
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_n_choices_are_the_single_runs_with_seeds_seed_plus_i(gw, stream):
+    client = gw.openai()
+    kwargs = {"model": MODEL, "prompt": PROMPT, "max_tokens": 10, "temperature": 0.9}
+    if stream:
+        chunks = list(
+            client.completions.create(n=3, seed=11, stream=True, stream_options={"include_usage": True}, **kwargs)
+        )
+        texts, finish = ["", "", ""], [None, None, None]
+        for chunk in chunks[:-1]:
+            (choice,) = chunk.choices
+            texts[choice.index] += choice.text
+            finish[choice.index] = choice.finish_reason or finish[choice.index]
+        token_usage, session_ids = chunks[-1].usage, chunks[0].session_ids
+        assert chunks[-1].metrics["speculative_decoding"]["num_spec_steps"] > 0
+    else:
+        out = client.completions.create(n=3, seed=11, **kwargs)
+        assert [c.index for c in out.choices] == [0, 1, 2]
+        texts, finish = [c.text for c in out.choices], [c.finish_reason for c in out.choices]
+        token_usage, session_ids = out.usage, out.session_ids
+    singles = [client.completions.create(seed=11 + i, **kwargs) for i in range(3)]
+    assert texts == [one.choices[0].text for one in singles] and len(set(texts)) > 1
+    assert finish == [one.choices[0].finish_reason for one in singles]
+    assert token_usage.prompt_tokens == 4  # once, as OpenAI counts it
+    assert token_usage.completion_tokens == sum(one.usage.completion_tokens for one in singles)
+    assert len(set(session_ids)) == 3
+    for session_id, one in zip(session_ids, singles, strict=True):
+        assert (
+            wait_until_done(gw, session_id).committed_token_ids
+            == wait_until_done(gw, one.session_id).committed_token_ids
+        )
+
+
+def test_n_chat_choices_with_logprobs(gw):
+    messages = [{"role": r, "content": c} for r, c in CHAT]
+    kwargs = {"model": MODEL, "messages": messages, "max_tokens": 6, "temperature": 1.0, "logprobs": True}
+    out = gw.openai().chat.completions.create(n=2, seed=30, **kwargs)
+    one = gw.openai().chat.completions.create(seed=31, **kwargs)
+    assert out.choices[1].message.content == one.choices[0].message.content
+    assert [e.logprob for e in out.choices[1].logprobs.content] == [e.logprob for e in one.choices[0].logprobs.content]
+    assert len(out.choices[0].logprobs.content) == len(
+        wait_until_done(gw, out.session_ids[0]).committed_token_ids
+    ) - len(wait_until_done(gw, out.session_ids[0]).prompt_token_ids)

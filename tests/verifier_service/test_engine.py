@@ -83,7 +83,7 @@ def test_packed_step_matches_each_session_alone(pair):
             runner.commit(list(range(runner.num_tentative - req.tree.num_nodes)))  # keep the chain only
             torch.testing.assert_close(packed[i], ref_logits, atol=ATOL, rtol=0)
             ref = Verifier(runner).verify(committed[s], req.tree, req.rule, req.params, _rng(100 * step + i))
-            assert verdicts[i] == ref
+            assert verdicts[i].verdict == ref
             committed[s] = committed[s] + ref.token_ids
             assert engine.cached_length(s) == runner.cache_len == len(committed[s]) - 1
 
