@@ -12,12 +12,12 @@
     GET  /openapi.json            the API's schema
     GET  /health, /version        200 while serving (503 draining); {"version": rsd's version} (no token needed)
 
-Each request becomes a GenerateRequest for the GatewayEngine the gRPC servicer serves (no hop through the
-gRPC port), so both APIs share sessions, params validation, the auth token (`Authorization: Bearer`, on every
-route but /health and /version), limits (max_running_turns, max_concurrent_rpcs: calls at once,
-max_message_bytes: body size), metrics (rsd_gateway_requests_total{method="/v1/..."} and the Generate stream
-metrics) and request ids (X-Request-Id, else a new one; echoed back, in the reply id and in the logs). Bodies
-and what is supported: gateway.openai.schema.
+Each request becomes a GenerateRequest (n of them for n choices: n sessions) for the GatewayEngine the gRPC
+servicer serves (no hop through the gRPC port), so both APIs share sessions, params validation, the auth token
+(`Authorization: Bearer`, on every route but /health and /version), limits (max_running_turns,
+max_concurrent_rpcs: calls at once, max_message_bytes: body size), metrics (rsd_gateway_requests_total{method=
+"/v1/..."} and the Generate stream metrics) and request ids (X-Request-Id, else a new one; echoed back, in the
+reply id and in the logs). Bodies and what is supported: gateway.openai.schema.
 
 A body over max_message_bytes is refused from its Content-Length, else as soon as what arrived passes the limit,
 never buffered whole; the input is tokenised in a worker thread (GatewayEngine), so a long prompt holds up no

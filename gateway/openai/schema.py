@@ -427,7 +427,8 @@ class Logprobs:
 @dataclass
 class Reply:
     """The reply objects of one request: a whole completion, or its stream's chunks. Each carries the
-    session id (`session_id`, not OpenAI's): send it back as an extra field to continue the session."""
+    session id (`session_id`, not OpenAI's): send it back as an extra field to continue the session; with
+    n > 1 choices, `session_ids` lists each choice's session."""
 
     chat: bool
     request_id: str
