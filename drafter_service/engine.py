@@ -45,6 +45,7 @@ import torch
 from drafter_service.config import DrafterConfig
 from drafter_service.verifier_client import VerifyStream, check_verdict, verifier_error
 from rsd.acceptance import Verdict
+from rsd.logprobs import TokenLogprobs
 from rsd.methods import Method
 from rsd.random import StepRandom, Stream
 from rsd.sampling import SamplingParams
@@ -60,7 +61,7 @@ from rsd_runtime.runner import ModelRunner
 from rsd_service.security import channel, peer_security
 from rsd_service.status import Conflict, Exhausted
 from rsd_wire import common_pb2, verifier_pb2, verifier_pb2_grpc
-from rsd_wire.convert import draft_tree_to_proto
+from rsd_wire.convert import draft_tree_to_proto, token_logprobs_from_proto
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,7 @@ class RunJob:
     eos_token_ids: frozenset[int]
     verifier_address: str
     verifier_id: str = ""
+    num_top_logprobs: int | None = None  # the verdicts carry the tokens' logprobs (params.logprobs); None: not
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,7 @@ class StepResult:
     token_ids: list[int]
     stats: common_pb2.StepStats | None
     finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
+    logprobs: TokenLogprobs | None = None  # of token_ids, when the job asks
 
 
 @dataclass
@@ -260,7 +263,7 @@ class DrafterPool:
                         reply = await call.exchange(msg, cancel)
                         t2 = time.perf_counter()
                         if reply is not None:
-                            verdict = check_verdict(reply, msg, tree)
+                            verdict = check_verdict(reply, msg, tree, job.num_top_logprobs is not None)
                     finally:
                         if ahead is not None:  # the runner is free again after this, holding tree t's state
                             await ahead.stop(verdict)
@@ -284,7 +287,10 @@ class DrafterPool:
                         drafter.accept(committed, verdict)
                     slot.cached_ids = (committed + verdict.token_ids)[: slot.runner.cache_len]
                     new, finish = _cut(verdict.token_ids, job.max_new_tokens - (len(committed) - start), job)
-                    yield StepResult(len(committed), new, stats, finish)
+                    logprobs = None
+                    if job.num_top_logprobs is not None:  # check_verdict checked them
+                        logprobs = token_logprobs_from_proto(reply.logprobs, len(verdict.token_ids)).head(len(new))
+                    yield StepResult(len(committed), new, stats, finish, logprobs)
                     committed += new
                     if finish:
                         return

@@ -19,7 +19,7 @@ from drafter_service.engine import DrafterPool, RunJob
 from rsd_service.registry import ID_PATTERN, check_id
 from rsd_service.status import abort
 from rsd_wire import drafter_pb2, drafter_pb2_grpc
-from rsd_wire.convert import generation_params_from_proto
+from rsd_wire.convert import generation_params_from_proto, num_top_logprobs, token_logprobs_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     token_ids=step.token_ids,
                     stats=step.stats,
                     finish_reason=step.finish_reason,
+                    logprobs=None if step.logprobs is None else token_logprobs_to_proto(step.logprobs),
                 )
         except Exception as e:
             await abort(context, e, log, f"session {request.session_id or '?'}")
@@ -60,6 +61,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             raise ValueError(f"token id {bad} is outside the draft vocabulary [0, {vocab})")
         params = request.params
         sampling, method, seed = generation_params_from_proto(params)
+        sampling.check_vocab(vocab)
+        top_logprobs = num_top_logprobs(params)
         config = self.engine.config
         nodes = method.max_draft_tokens + 1
         if nodes > config.max_tree_nodes:
@@ -86,4 +89,5 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             eos_token_ids=frozenset(request.eos_token_ids),
             verifier_address=request.verifier_address,
             verifier_id=request.verifier_id,
+            num_top_logprobs=top_logprobs,
         )

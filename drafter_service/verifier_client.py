@@ -13,7 +13,7 @@ from rsd.acceptance import Verdict
 from rsd.tree import DraftTree, path_to
 from rsd_service.status import RpcError
 from rsd_wire import verifier_pb2, verifier_pb2_grpc
-from rsd_wire.convert import verdict_from_proto
+from rsd_wire.convert import token_logprobs_from_proto, verdict_from_proto
 
 log = logging.getLogger(__name__)
 
@@ -83,10 +83,15 @@ async def _exchange(
     return reply
 
 
-def check_verdict(reply: verifier_pb2.Verdict, sent: verifier_pb2.DraftTree, tree: DraftTree) -> Verdict:
-    """The verdict must answer this step and name a root-to-node path of this tree."""
+def check_verdict(
+    reply: verifier_pb2.Verdict, sent: verifier_pb2.DraftTree, tree: DraftTree, logprobs: bool = False
+) -> Verdict:
+    """The verdict must answer this step and name a root-to-node path of this tree (and carry its tokens'
+    log-probabilities when `logprobs`)."""
     try:
         verdict = verdict_from_proto(reply)
+        if logprobs:
+            token_logprobs_from_proto(reply.logprobs, len(verdict.token_ids))
     except ValueError as e:
         raise VerifierFailedError(grpc.StatusCode.UNAVAILABLE, f"malformed verdict: {e}") from None
     n = tree.num_nodes

@@ -213,6 +213,8 @@ class TurnRunner:
         if event.HasField("stats"):
             delta.stats.CopyFrom(event.stats)
             state.num_steps += 1
+        if event.HasField("logprobs"):
+            delta.logprobs.CopyFrom(event.logprobs)
         await turn.events.put(gateway_pb2.GenerateEvent(session_id=turn.session_id, delta=delta))
 
     async def _landed(self, turn: Turn, position: int, ids: list[int], conflict: SessionConflict) -> int:
@@ -421,7 +423,7 @@ class GatewayEngine:
         else:
             params = merge_params(default_params(self.config), msg_params)
             record = None
-        validate_params(params, self.config)
+        validate_params(params, self.config, self.inputs.vocab_size)
         chat = request.WhichOneof("input") == "messages"  # a chat turn also ends at the template's end of turn
         params["eos_token_ids"] = self.chat.end_of_turn_ids if chat else self.eos_token_ids
         if params.get("seed") is None:

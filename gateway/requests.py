@@ -12,6 +12,7 @@ from gateway.chat import ChatTemplate
 from gateway.config import GatewayConfig
 from gateway.errors import ContextLengthExceeded, RequestError
 from gateway.store.session import SessionRecord, SessionStatus
+from rsd.logprobs import MAX_TOP_LOGPROBS
 from rsd.methods import DEFAULT_SHAPES
 from rsd.sampling import SamplingParams
 from rsd_service.registry import ServiceInfo, check_id
@@ -101,12 +102,18 @@ def default_params(config: GatewayConfig) -> dict[str, Any]:
         "max_new_tokens": config.default_max_new_tokens,
         "stop_sequences": [],
         "seed": None,
+        "logit_bias": [],  # [[token id, bias], ...] in increasing id (JSON has no int keys)
+        "logprobs": False,
+        "top_logprobs": 0,
     }
 
 
 def merge_params(base: Mapping[str, Any], msg: common_pb2.GenerationParams | None) -> dict[str, Any]:
-    """`base` with the fields present in `msg` replacing it (a new session's base is the defaults)."""
+    """`base` with the fields present in `msg` replacing it (a new session's base is the defaults). logprobs and
+    top_logprobs are the turn's own: absent, they are off."""
     params = dict(base)
+    params["logprobs"] = bool(msg is not None and msg.logprobs)
+    params["top_logprobs"] = msg.top_logprobs if msg is not None else 0
     if msg is None:
         return params
     if msg.HasField("sampling"):
@@ -116,6 +123,7 @@ def merge_params(base: Mapping[str, Any], msg: common_pb2.GenerationParams | Non
         params["top_k"] = s.top_k
         if s.HasField("top_p"):
             params["top_p"] = s.top_p
+        params["logit_bias"] = [[t, b] for t, b in sorted(s.logit_bias.items())]
     if msg.HasField("method"):
         name = msg.method.name or params["method"]
         same = params["shape"] if name == params["method"] else DEFAULT_SHAPES.get(name, "")
@@ -130,11 +138,22 @@ def merge_params(base: Mapping[str, Any], msg: common_pb2.GenerationParams | Non
     return params
 
 
-def validate_params(params: Mapping[str, Any], config: GatewayConfig) -> None:
+def sampling_params(params: Mapping[str, Any]) -> SamplingParams:
+    """The stored params' sampling transform (ValueError when a value is out of range)."""
+    bias = tuple((int(t), float(b)) for t, b in params.get("logit_bias", []))
+    return SamplingParams(float(params["temperature"]), int(params["top_k"]), float(params["top_p"]), bias)
+
+
+def validate_params(params: Mapping[str, Any], config: GatewayConfig, vocab_size: int) -> None:
     try:
-        SamplingParams(float(params["temperature"]), int(params["top_k"]), float(params["top_p"]))
+        sampling_params(params).check_vocab(vocab_size)
     except ValueError as e:
         raise RequestError(f"params.sampling: {e}", "params.sampling") from None
+    if params.get("top_logprobs", 0) and not params.get("logprobs"):
+        raise RequestError("params.top_logprobs: needs params.logprobs", "params.top_logprobs")
+    if not 0 <= params.get("top_logprobs", 0) <= MAX_TOP_LOGPROBS:
+        message = f"params.top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got {params['top_logprobs']}"
+        raise RequestError(message, "params.top_logprobs")
     try:
         parse_method(params["method"], params["shape"])
     except ValueError as e:
@@ -199,11 +218,16 @@ def finish_reason_value(name: str) -> int:
 def params_to_proto(params: Mapping[str, Any]) -> common_pb2.GenerationParams:
     msg = common_pb2.GenerationParams(
         sampling=common_pb2.SamplingParams(
-            temperature=float(params["temperature"]), top_k=int(params["top_k"]), top_p=float(params["top_p"])
+            temperature=float(params["temperature"]),
+            top_k=int(params["top_k"]),
+            top_p=float(params["top_p"]),
+            logit_bias={int(t): float(b) for t, b in params.get("logit_bias", [])},
         ),
         method=common_pb2.Method(name=params["method"], shape=params["shape"]),
         max_new_tokens=int(params["max_new_tokens"]),
         stop_sequences=list(params["stop_sequences"]),
+        logprobs=bool(params.get("logprobs", False)),
+        top_logprobs=int(params.get("top_logprobs", 0)),
     )
     if params.get("seed") is not None:
         msg.seed = int(params["seed"])

@@ -1,8 +1,8 @@
 """Sampling transforms and samplers.
 
-The same transform (temperature, then top-k, then top-p) must be applied to the target's logits
-and to the draft's logits: exactness holds for the laws actually used, and a mismatch between the
-law a token was sampled from and the law used to verify it silently changes the output.
+The same transform (logit bias, then temperature, then top-k, then top-p) must be applied to the
+target's logits and to the draft's logits: exactness holds for the laws actually used, and a mismatch
+between the law a token was sampled from and the law used to verify it silently changes the output.
 """
 
 from __future__ import annotations
@@ -16,15 +16,22 @@ from torch import Tensor
 from rsd.random import StepRandom
 
 MIN_TEMPERATURE = 1e-2  # below it (but 0) logits / temperature can overflow float32: refused, not clamped
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound: a bias of -100 bans a token in practice, +100 all but forces it
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy; top_k 0 and top_p 1.0 mean 'off'."""
+    """temperature 0 means greedy; top_k 0 and top_p 1.0 mean 'off'.
+
+    logit_bias: ((token id, bias), ...) in increasing id, each bias in [-100, 100], added to the logits
+    before everything else (OpenAI's logit_bias). A transform of the law like the others, applied to the
+    target's and the draft's logits alike, so speculative decoding stays exact for the biased law.
+    """
 
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0 and self.temperature < float("inf")):
@@ -38,6 +45,18 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not (0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        ids = [token_id for token_id, _ in self.logit_bias]
+        if ids != sorted(set(ids)) or any(t < 0 for t in ids):
+            raise ValueError(f"logit_bias token ids must be distinct, increasing and >= 0, got {ids[:8]}")
+        bad = next((b for _, b in self.logit_bias if not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bad}")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """ValueError unless every token id of logit_bias is in [0, vocab_size)."""
+        if self.logit_bias and self.logit_bias[-1][0] >= vocab_size:
+            token_id = self.logit_bias[-1][0]
+            raise ValueError(f"logit_bias token id {token_id} is outside the vocabulary [0, {vocab_size})")
 
     @property
     def greedy(self) -> bool:
@@ -114,6 +133,20 @@ def top_k_indices(x: Tensor, k: int) -> Tensor:
     return idx.gather(-1, torch.topk(values, k, dim=-1).indices)
 
 
+def biased_logits(logits: Tensor, params: SamplingParams) -> Tensor:
+    """logits [..., V] plus params.logit_bias, in float32 (float64 stays float64); a new tensor when biased."""
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    logits = logits.to(dtype)
+    if not params.logit_bias:
+        return logits
+    params.check_vocab(logits.shape[-1])
+    ids = torch.tensor([t for t, _ in params.logit_bias], device=logits.device)  # [E]
+    bias = torch.tensor([b for _, b in params.logit_bias], dtype=dtype, device=logits.device)  # [E]
+    logits = logits.clone()
+    logits[..., ids] += bias
+    return logits
+
+
 def proposal_probs(logits: Tensor, params: SamplingParams, top_k: int = 0, top_p: float = 1.0) -> Tensor:
     """truncate(logits_to_probs(logits, params), top_k, top_p), [F, V] -> [F, V]: a drafter's proposal law.
 
@@ -127,6 +160,8 @@ def proposal_probs(logits: Tensor, params: SamplingParams, top_k: int = 0, top_p
     k = min(ks) if ks else 0
     if params.greedy or params.top_p < 1.0 or top_p < 1.0 or not 0 < k < logits.shape[-1] or logits.dim() != 2:
         return truncate(logits_to_probs(logits, params), top_k, top_p)
+    if params.logit_bias:
+        logits = biased_logits(logits, params)  # [F, V]; unbiased logits stay as they are (no pass over V)
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     idx = top_k_indices(logits, k)  # [F, k]
     kept = torch.softmax(logits.gather(-1, idx).to(dtype) / params.temperature, dim=-1)  # [F, k]
@@ -136,10 +171,10 @@ def proposal_probs(logits: Tensor, params: SamplingParams, top_k: int = 0, top_p
 def logits_to_probs(logits: Tensor, params: SamplingParams) -> Tensor:
     """logits [..., V] -> probs [..., V] in float32 (float64 stays float64).
 
-    Temperature 0 gives the one-hot argmax, so every acceptance rule degenerates to greedy matching.
+    Temperature 0 gives the one-hot argmax (of the biased logits), so every acceptance rule degenerates to
+    greedy matching.
     """
-    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    logits = logits.to(dtype)
+    logits = biased_logits(logits, params)
     if params.greedy:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     probs = torch.softmax(logits / params.temperature, dim=-1)

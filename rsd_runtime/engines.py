@@ -81,8 +81,9 @@ class ModelProposal:
         forward: Forward = ModelRunner.forward,
     ):
         self.runner, self.committed, self.stop, self.forward = runner, committed, stop, forward
-        # Greedy drafting ranks children by the plain softmax; its laws are never used for acceptance.
-        self.params = SamplingParams(temperature=1.0) if params.greedy else params
+        # Greedy drafting ranks children by the plain softmax of the biased logits (the target's argmax is the
+        # biased one); its laws are never used for acceptance.
+        self.params = SamplingParams(temperature=1.0, logit_bias=params.logit_bias) if params.greedy else params
         self.top_k, self.top_p = top_k, top_p  # drafter-side truncation of the proposal
         self.tentative_of: dict[int, int] = {}  # tree node -> tentative index in the runner
         self.num_forwards = 0

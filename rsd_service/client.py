@@ -16,7 +16,7 @@ Errors come as grpc.RpcError with the gateway's status code and reason. A gatewa
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import grpc
 
@@ -97,10 +97,13 @@ class RsdClient:
         seed: int | None = None,
         resume_from_position: int | None = None,
         request_id: str = "",
+        logit_bias: Mapping[int, float] | None = None,
+        top_logprobs: int | None = None,
     ) -> Generation:
         """Start (no session_id), continue (session_id and input) or resume (session_id, no input).
         The input: prompt (text), token_ids, or messages as (role, content) pairs (chat template).
-        Parameters left None take the gateway's defaults (new session) or the session's (continuation)."""
+        Parameters left None take the gateway's defaults (new session) or the session's (continuation).
+        top_logprobs (0..20): each TokenDelta carries its tokens' logprobs with that many top tokens each."""
         request = gateway_pb2.GenerateRequest(session_id=session_id, request_id=request_id)
         if sum(x is not None for x in (prompt, token_ids, messages)) > 1:
             raise ValueError("give one of prompt, token_ids and messages")
@@ -112,7 +115,9 @@ class RsdClient:
             request.messages.messages.extend(gateway_pb2.ChatMessage(role=r, content=c) for r, c in messages)
         if resume_from_position is not None:
             request.resume_from_position = resume_from_position
-        params = build_params(method, shape, temperature, top_k, top_p, max_new_tokens, stop, seed)
+        params = build_params(
+            method, shape, temperature, top_k, top_p, max_new_tokens, stop, seed, logit_bias, top_logprobs
+        )
         if params is not None:
             request.params.CopyFrom(params)
         return Generation(self._stub.Generate(request, timeout=self.timeout_s, metadata=self._metadata))
@@ -135,11 +140,17 @@ def build_params(
     max_new_tokens: int = 0,
     stop: Sequence[str] = (),
     seed: int | None = None,
+    logit_bias: Mapping[int, float] | None = None,
+    top_logprobs: int | None = None,
 ) -> common_pb2.GenerationParams | None:
-    """GenerationParams with only the given fields present (None when nothing is given)."""
+    """GenerationParams with only the given fields present (None when nothing is given). top_logprobs given:
+    logprobs on, with that many top tokens."""
     params = common_pb2.GenerationParams(max_new_tokens=max_new_tokens, stop_sequences=list(stop))
-    if temperature is not None or top_k is not None or top_p is not None:
+    if top_logprobs is not None:
+        params.logprobs, params.top_logprobs = True, top_logprobs
+    if temperature is not None or top_k is not None or top_p is not None or logit_bias:
         params.sampling.top_k = top_k or 0
+        params.sampling.logit_bias.update(logit_bias or {})
         if temperature is not None:
             params.sampling.temperature = temperature
         if top_p is not None:
@@ -148,5 +159,5 @@ def build_params(
         params.method.name, params.method.shape = method or "", shape or ""
     if seed is not None:
         params.seed = seed
-    given = params.HasField("sampling") or params.HasField("method") or params.HasField("seed")
+    given = params.HasField("sampling") or params.HasField("method") or params.HasField("seed") or params.logprobs
     return params if given or max_new_tokens or stop else None

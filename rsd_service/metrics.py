@@ -141,6 +141,7 @@ class GatewayMetrics(ServiceMetrics):
         def end() -> None:
             if state["last"] >= 0:
                 self.streams.dec()
+                state["last"] = -1.0  # once
 
         observe.end = end  # type: ignore[attr-defined]
         return observe

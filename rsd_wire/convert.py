@@ -3,6 +3,7 @@
     torch.Tensor            <->  Tensor {dtype, shape, data}
     rsd.tree.DraftTree      <->  DraftTree: dense draft_probs [N, V] <-> one ProposalLaw per internal node
     rsd.acceptance.Verdict  <->  Verdict
+    rsd.logprobs.TokenLogprobs  <->  TokenLogprobs
     rsd.sampling.SamplingParams <-> SamplingParams
     rsd.methods.Method      <->  Method {name, shape}
 
@@ -27,6 +28,7 @@ import torch
 from torch import Tensor
 
 from rsd.acceptance import Verdict
+from rsd.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
 from rsd.methods import Method
 from rsd.sampling import SamplingParams, nonzero_ids
 from rsd.tree import DraftTree, validate_draft_tree, validate_tree
@@ -238,11 +240,60 @@ def verdict_from_proto(msg: verifier_pb2.Verdict) -> Verdict:
 
 
 # ---------------------------------------------------------------------------------------------
+# Log-probabilities
+
+
+def token_logprobs_to_proto(logprobs: TokenLogprobs) -> common_pb2.TokenLogprobs:
+    return common_pb2.TokenLogprobs(
+        logprobs=tensor_to_proto(logprobs.logprobs.to(torch.float32)),
+        top_token_ids=tensor_to_proto(logprobs.top_ids.to(torch.int64)),
+        top_logprobs=tensor_to_proto(logprobs.top_logprobs.to(torch.float32)),
+    )
+
+
+def token_logprobs_from_proto(msg: common_pb2.TokenLogprobs, num_tokens: int, name: str = "logprobs") -> TokenLogprobs:
+    """ValueError unless msg holds num_tokens tokens' log-probabilities, [M] and [M, k] with k <= 20."""
+    logprobs = tensor_from_proto(msg.logprobs, f"{name}.logprobs")
+    top_ids = tensor_from_proto(msg.top_token_ids, f"{name}.top_token_ids")
+    top = tensor_from_proto(msg.top_logprobs, f"{name}.top_logprobs")
+    shapes = [list(t.shape) for t in (logprobs, top_ids, top)]
+    ok = (
+        logprobs.dtype == torch.float32
+        and top.dtype == torch.float32
+        and top_ids.dtype == torch.int64
+        and shapes[0] == [num_tokens]
+        and shapes[1] == shapes[2]
+        and len(shapes[1]) == 2
+        and shapes[1][0] == num_tokens
+        and shapes[1][1] <= MAX_TOP_LOGPROBS
+    )
+    if not ok:
+        raise ValueError(
+            f"{name}: expected float32 [{num_tokens}], int64 and float32 [{num_tokens}, k <= {MAX_TOP_LOGPROBS}], "
+            f"got {[str(t.dtype) for t in (logprobs, top_ids, top)]} {shapes}"
+        )
+    return TokenLogprobs(logprobs, top_ids, top)
+
+
+def num_top_logprobs(msg: common_pb2.GenerationParams) -> int | None:
+    """What params ask of logprobs: None (none), else the number of top tokens per position (0..20)."""
+    if not msg.logprobs:
+        if msg.top_logprobs:
+            raise ValueError("params.top_logprobs needs params.logprobs")
+        return None
+    if msg.top_logprobs > MAX_TOP_LOGPROBS:
+        raise ValueError(f"params.top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {msg.top_logprobs}")
+    return msg.top_logprobs
+
+
+# ---------------------------------------------------------------------------------------------
 # Sampling parameters and methods
 
 
 def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
-    return common_pb2.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+    return common_pb2.SamplingParams(
+        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, logit_bias=dict(params.logit_bias)
+    )
 
 
 def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
@@ -252,6 +303,7 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams
         temperature=msg.temperature if msg.HasField("temperature") else defaults.temperature,
         top_k=msg.top_k,
         top_p=msg.top_p if msg.HasField("top_p") else defaults.top_p,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
     )
 
 

@@ -10,7 +10,8 @@ positions [0, cached_len). One verify_batch call:
     2. runs the target once; every layer writes each segment's new K/V into its own slot right after
        cached_len_i, and attends with a block-diagonal float mask: a node of session i sees session i's
        cached prefix, its catch-up chain and its own tree ancestors only
-    3. walks each tree with its own rule and draws (rsd.acceptance.verify), on the target's device
+    3. walks each tree with its own rule and draws (rsd.acceptance.verify), on the target's device, and reads
+       the emitted tokens' log-probabilities off the same logits when the request asks (rsd.logprobs)
     4. moves the accepted nodes' K/V (inside the slot) right after the chain and root; the rest is
        overwritten later. No whole-cache copy ever happens.
 
@@ -21,13 +22,15 @@ cache is driven by its request manager. A slot pool with our own 4-D mask is a f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
 from rsd.acceptance import Rule, Verdict, verify
+from rsd.logprobs import TokenLogprobs, emitted_rows, token_logprobs
 from rsd.random import StepRandom
 from rsd.sampling import SamplingParams, logits_to_probs
 from rsd.tree import DraftTree, node_depths, tree_attention_mask, validate_tree
@@ -65,6 +68,8 @@ class VerifyRequest:
     # The step's acceptance draws: StepRandom(seed, Stream.VERIFY, root position). Required when
     # sampling (T > 0); None is greedy's (T = 0: every law is one-hot, so no draw decides anything).
     rng: StepRandom | None = None
+    # Return the emitted tokens' log-probabilities with this many top tokens each (0..20); None: none.
+    num_top_logprobs: int | None = None
 
     def check_rng(self) -> None:
         """ValueError when a sampling request comes without its draws."""
@@ -72,6 +77,19 @@ class VerifyRequest:
             raise ValueError(
                 f"session {self.session_id!r}: sampling at temperature {self.params.temperature} needs its draws"
             )
+
+
+@dataclass(frozen=True)
+class ScoredVerdict(Verdict):
+    """A verdict with its tokens' log-probabilities (VerifyRequest.num_top_logprobs set; else None). Two compare
+    equal when their verdicts do (the logprobs are a read-out of the same logits)."""
+
+    logprobs: TokenLogprobs | None = field(default=None, compare=False)
+
+    @property
+    def verdict(self) -> Verdict:
+        """The plain Verdict (to compare with rsd_runtime.engines.Verifier's)."""
+        return Verdict(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Verdict)})
 
 
 class VerifierPool:
@@ -126,15 +144,15 @@ class VerifierPool:
         return n
 
     # ---- the packed step ------------------------------------------------------------------------
-    def verify_batch(self, requests: list[VerifyRequest]) -> list[Verdict]:
+    def verify_batch(self, requests: list[VerifyRequest]) -> list[ScoredVerdict]:
         """One target forward over every request's tree, then each rule; keeps each accepted path."""
         segments, logits = self._forward(requests)
-        verdicts: list[Verdict | None] = []
+        verdicts: list[ScoredVerdict | None] = []
         errors: dict[str, Exception] = {}
         for req, seg, lg in zip(requests, segments, logits, strict=True):
             try:
                 probs = logits_to_probs(lg, req.params)  # [N, V] float32 at least, on the target's device
-                verdict = verify(req.tree.to(probs.device), probs, req.rule, req.rng)
+                verdict = _scored(verify(req.tree.to(probs.device), probs, req.rule, req.rng), lg, req)
             except Exception as e:  # one bad tree must not cost the others their step
                 verdicts.append(None)
                 errors[req.session_id] = e
@@ -213,6 +231,7 @@ class VerifierPool:
             if not req.committed_ids:
                 raise ValueError(f"session {req.session_id!r}: committed_ids is empty")
             req.check_rng()  # refuse a sampling request without its draws before the forward
+            req.params.check_vocab(self.vocab_size)  # logit_bias ids
             tree = req.tree
             validate_tree(tree.token_ids, tree.parent_idx, self.vocab_size)
             if int(tree.token_ids[0]) != req.committed_ids[-1]:
@@ -236,3 +255,12 @@ class VerifierPool:
         keep = list(range(m + 1)) + [m + n for n in verdict.accepted_idx]  # offsets inside the segment
         self.cache.commit(seg.slot, seg.cached, keep)
         self._cached[seg.slot] = req.committed_ids + verdict.accepted_ids
+
+
+def _scored(verdict: Verdict, logits: Tensor, req: VerifyRequest) -> ScoredVerdict:
+    """The verdict with its tokens' log-probabilities when req asks: logits [N, V] is the tree's."""
+    logprobs = None
+    if req.num_top_logprobs is not None:
+        rows = logits[emitted_rows(verdict.accepted_idx)]  # [M, V]
+        logprobs = token_logprobs(rows, torch.tensor(verdict.token_ids), req.num_top_logprobs)
+    return ScoredVerdict(**{f.name: getattr(verdict, f.name) for f in dataclasses.fields(verdict)}, logprobs=logprobs)

@@ -4,7 +4,8 @@ Per session it keeps what verifier.proto asks the verifier to know: the attached
 committed sequence (set by Attach, extended by each verdict), the sampling params and acceptance
 rule, the seed (each step's acceptance draws come from StepRandom(seed, Stream.VERIFY, root
 position), as in the in-process SpeculativeGenerator, so a run reproduces it token for token), and
-the last verified step with its verdict for idempotent retries.
+the last verified step with its verdict for idempotent retries, and whether its verdicts carry the emitted
+tokens' log-probabilities (params.logprobs, params.top_logprobs).
 
 Status codes: malformed request or tree -> INVALID_ARGUMENT; session not attached -> NOT_FOUND;
 older epoch, or a tree whose root_position is not the end of the committed sequence ->
@@ -21,16 +22,22 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from rsd.acceptance import Rule, Verdict
+from rsd.acceptance import Rule
 from rsd.methods import Method
 from rsd.random import StepRandom, Stream
 from rsd.sampling import SamplingParams
 from rsd_service.registry import check_id
 from rsd_service.status import RpcError, abort
 from rsd_wire import common_pb2, verifier_pb2, verifier_pb2_grpc
-from rsd_wire.convert import draft_tree_from_proto, generation_params_from_proto, verdict_to_proto
+from rsd_wire.convert import (
+    draft_tree_from_proto,
+    generation_params_from_proto,
+    num_top_logprobs,
+    token_logprobs_to_proto,
+    verdict_to_proto,
+)
 from verifier_service.batcher import Batcher, BatchInfo
-from verifier_service.engine import PoolFullError, UnknownSessionError, VerifierPool, VerifyRequest
+from verifier_service.engine import PoolFullError, ScoredVerdict, UnknownSessionError, VerifierPool, VerifyRequest
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +52,7 @@ class _Session:
     rule: Rule
     seed: int  # acceptance draws: StepRandom(seed, Stream.VERIFY, root_position)
     cached_at_attach: int  # AttachResponse.cached_length_tokens
+    num_top_logprobs: int | None = None  # verdicts carry logprobs with this many top tokens; None: none
     last_tree: bytes = b""  # the last verified DraftTree, serialized, and its verdict
     last_verdict: verifier_pb2.Verdict | None = None
     num_steps: int = 0
@@ -95,6 +103,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 f"{len(committed)} committed tokens leave no room for a tree (max_len={self.engine.max_len})",
             )
         params, method, seed = generation_params_from_proto(request.params)
+        top_logprobs = num_top_logprobs(request.params)
+        params.check_vocab(vocab)
         async with self.batcher.engine_lock:  # the engine is not thread-safe; the batcher's forward holds it
             current = self.sessions.get(sid)
             if current is not None and request.epoch < current.epoch:
@@ -123,6 +133,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 rule=method.rule(params.greedy),
                 seed=seed,
                 cached_at_attach=cached,
+                num_top_logprobs=top_logprobs,
             )
             self._last_used[sid] = time.monotonic()
         log.info("attached %s epoch %d: %d committed, %d cached", sid, request.epoch, len(committed), cached)
@@ -215,11 +226,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     f"{root_position} cached + {tree.num_nodes} tree tokens exceed max_len={self.engine.max_len}"
                 )
             rng = StepRandom(session.seed, Stream.VERIFY, root_position)
-            request = VerifyRequest(sid, list(session.committed), tree, session.rule, session.params, rng)
+            request = VerifyRequest(
+                sid, list(session.committed), tree, session.rule, session.params, rng, session.num_top_logprobs
+            )
             num_new = root_position - self.engine.cached_length(sid) + tree.num_nodes  # prefill chain + tree
             serialized = msg.SerializeToString(deterministic=True)
 
-            def record(verdict: Verdict, info: BatchInfo) -> verifier_pb2.Verdict:
+            def record(verdict: ScoredVerdict, info: BatchInfo) -> verifier_pb2.Verdict:
                 """Runs in the batcher right after the engine committed the verdict."""
                 if self.sessions.get(sid) is not session:
                     raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"session {sid!r} was re-attached or released")
@@ -232,6 +245,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 reply = verdict_to_proto(
                     verdict, session_id=sid, epoch=session.epoch, root_position=msg.root_position, stats=stats
                 )
+                if verdict.logprobs is not None:
+                    reply.logprobs.CopyFrom(token_logprobs_to_proto(verdict.logprobs))
                 session.committed += verdict.token_ids
                 session.last_tree, session.last_verdict = serialized, reply
                 session.num_steps += 1

@@ -12,12 +12,12 @@
     GET  /openapi.json            the API's schema
     GET  /health, /version        200 while serving (503 draining); {"version": rsd's version} (no token needed)
 
-Each request becomes a GenerateRequest for the GatewayEngine the gRPC servicer serves (no hop through the
-gRPC port), so both APIs share sessions, params validation, the auth token (`Authorization: Bearer`, on every
-route but /health and /version), limits (max_running_turns, max_concurrent_rpcs: calls at once,
-max_message_bytes: body size), metrics (rsd_gateway_requests_total{method="/v1/..."} and the Generate stream
-metrics) and request ids (X-Request-Id, else a new one; echoed back, in the reply id and in the logs). Bodies
-and what is supported: gateway.openai.schema.
+Each request becomes a GenerateRequest (n of them for n choices: n sessions) for the GatewayEngine the gRPC
+servicer serves (no hop through the gRPC port), so both APIs share sessions, params validation, the auth token
+(`Authorization: Bearer`, on every route but /health and /version), limits (max_running_turns,
+max_concurrent_rpcs: calls at once, max_message_bytes: body size), metrics (rsd_gateway_requests_total{method=
+"/v1/..."} and the Generate stream metrics) and request ids (X-Request-Id, else a new one; echoed back, in the
+reply id and in the logs). Bodies and what is supported: gateway.openai.schema.
 
 A body over max_message_bytes is refused from its Content-Length, else as soon as what arrived passes the limit,
 never buffered whole; the input is tokenised in a worker thread (GatewayEngine), so a long prompt holds up no
@@ -71,6 +71,7 @@ from gateway.openai.schema import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    Logprobs,
     Reply,
     SpecDecodeMetrics,
     TokenizeChatRequest,
@@ -139,7 +140,9 @@ def _public_param(error: RequestError, body: Any) -> str | None:
         return "messages" if chat else "prompt"  # as OpenAI names it
     if error.field == "params.sampling":  # SamplingParams names the one it refuses first
         reason = str(error)[len(error.field) + 2 :]
-        return next((p for p in ("temperature", "top_k", "top_p") if reason.startswith(p)), None)
+        return next((p for p in ("temperature", "top_k", "top_p", "logit_bias") if reason.startswith(p)), None)
+    if error.field == "params.top_logprobs":
+        return "top_logprobs" if chat else "logprobs"
     if error.field == "params.max_new_tokens" and chat and body.max_completion_tokens is not None:
         return "max_completion_tokens"
     return _PUBLIC.get(error.field)
@@ -380,36 +383,41 @@ class HttpApi:
 
     async def _generate(self, request: Request, path: str, model: type[pydantic.BaseModel]):
         call = self._begin(request, path)
-        events: AsyncIterator[gateway_pb2.GenerateEvent] | None = None
-        observe: Any = None
-        first = body = None
+        choices: list[_Choice] = []
+        body = None
         try:
             self._admit(request, call)
             body = await self._body(request, model)
-            events = self.engine.generate(body.to_generate_request(call.request_id))
-            observe = self.metrics.observer(_GENERATE)  # the Generate stream metrics, as for a gRPC call
-            first = await anext(events)  # the turn started (or the request was refused: raised here)
-            observe(first)
-            chat, spec = model is ChatCompletionRequest, SpecDecodeMetrics.of(first.started.params)
-            reply = Reply(chat, call.request_id, self.model_name, first.session_id, spec)
-            reply.include_usage = body.include_usage
+            chat = model is ChatCompletionRequest
+            for i, generate in enumerate(body.to_generate_requests(call.request_id)):  # n turns, one a choice
+                # the Generate stream metrics, as for a gRPC call
+                choice = _Choice(i, self.engine.generate(generate), self.metrics.observer(_GENERATE))
+                choices.append(choice)
+                first = await anext(choice.events)  # the turn started (or the request was refused: raised here)
+                choice.observe(first)
+                choice.started, choice.session_id = first.started, first.session_id
+                if body.num_top_logprobs is not None:
+                    choice.logprobs = Logprobs(chat, self.engine.tokenizer.decode)
+            spec = SpecDecodeMetrics.of(choices[0].started.params)
+            reply = Reply(chat, call.request_id, self.model_name, choices[0].session_id, spec)
+            reply.include_usage, reply.session_ids = body.include_usage, [c.session_id for c in choices]
             if body.stream:
-                return _with_id(self._stream_response(call, events, observe, first.started, reply), call)
-            response = await self._whole(request, call, events, observe, first.started, reply)
+                return _with_id(self._stream_response(call, choices, reply), call)
+            response = await self._whole(request, choices, reply)
         except Exception as e:
             error = api_error(e, call.request_id, body)
             call.finish(error)
-            if events is not None:
-                await events.aclose()
-            if observe is not None and first is None:  # after the first event _collect or _stream ends it
-                observe.end()
+            for choice in choices:
+                await choice.close()
+                if choice.started is not None and not choice.done:  # another choice failed: stop this one
+                    await self._cancel_turn(choice.session_id)
             return _with_id(error.response(), call)
         call.finish()
         return _with_id(response, call)
 
-    async def _whole(self, request, call, events, observe, started, reply) -> JSONResponse:
-        """Wait for the turn's end, or for the client to leave (then cancel the turn)."""
-        collect = asyncio.create_task(_collect(events, observe, reply.spec))
+    async def _whole(self, request, choices: list[_Choice], reply: Reply) -> JSONResponse:
+        """Wait for every choice's turn to end, or for the client to leave (then cancel the turns)."""
+        collect = asyncio.gather(*(_collect(choice, reply) for choice in choices))
         gone = asyncio.create_task(_disconnected(request))
         try:
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -417,47 +425,64 @@ class HttpApi:
             gone.cancel()
             if not collect.done():
                 collect.cancel()
-                await self._cancel_turn(reply.session_id)
+                for choice in choices:
+                    await self._cancel_turn(choice.session_id)
         if not collect.done() or collect.cancelled():
             raise ApiError(grpc.StatusCode.CANCELLED, "the client disconnected")  # nobody reads this answer
-        text, finished = collect.result()
-        return JSONResponse(reply.whole(text, FINISH_REASONS[finished.reason], usage(started, finished)))
+        outcomes = collect.result()  # [(text, finished, entries)] per choice
+        token_usage = usage(choices[0].started, [finished for _, finished, _ in outcomes])
+        ends = [
+            (text, FINISH_REASONS[finished.reason], choice.logprobs.body(entries) if choice.logprobs else None)
+            for choice, (text, finished, entries) in zip(choices, outcomes, strict=True)
+        ]
+        return JSONResponse(reply.whole(ends, token_usage))
 
-    async def _stream(self, call, events, observe, started, reply) -> AsyncIterator[str]:
-        """The SSE body: a first chunk, one per delta with text, the finish, [usage], [DONE]."""
+    async def _stream(self, call, choices: list[_Choice], reply: Reply) -> AsyncIterator[str]:
+        """The SSE body: a first chunk per choice, one per delta with text (or logprobs), each choice's finish,
+        [usage], [DONE]. The choices' chunks interleave as their steps commit."""
+        finished: list[gateway_pb2.GenerationFinished] = []
         try:
-            yield _sse(reply.chunk("", first=True))
-            async for event in events:
-                observe(event)
+            for choice in choices:
+                yield _sse(reply.chunk("", first=True, index=choice.index))
+            async for choice, event in _merged(choices):
+                choice.observe(event)
                 kind = event.WhichOneof("event")
                 if kind == "delta" and event.delta.HasField("stats"):
                     reply.spec.observe(event.delta.stats)
-                if kind == "delta" and event.delta.text:
-                    yield _sse(reply.chunk(event.delta.text))
+                entries = choice.logprobs.entries(event.delta) if kind == "delta" and choice.logprobs else None
+                if kind == "delta" and (event.delta.text or entries):
+                    logprobs = choice.logprobs.body(entries) if entries else None
+                    yield _sse(reply.chunk(event.delta.text, logprobs=logprobs, index=choice.index))
                 elif kind == "finished":
-                    call.finish()  # the turn is over: a client leaving now cancels nothing
-                    last = not reply.include_usage  # else the usage chunk is the last
-                    yield _sse(reply.chunk("", FINISH_REASONS[event.finished.reason], last=last))
-                    if reply.include_usage:
-                        yield _sse(reply.usage_chunk(usage(started, event.finished)))
-                    yield "data: [DONE]\n\n"
-                    return
-            raise ApiError(grpc.StatusCode.INTERNAL, "the turn ended without a finish event")
+                    choice.done = True
+                    finished.append(event.finished)
+                    if len(finished) == len(choices):
+                        call.finish()  # every turn is over: a client leaving now cancels nothing
+                    last = len(finished) == len(choices) and not reply.include_usage  # else the usage chunk is
+                    reason = FINISH_REASONS[event.finished.reason]
+                    yield _sse(reply.chunk("", reason, last=last, index=choice.index))
+            if len(finished) < len(choices):
+                raise ApiError(grpc.StatusCode.INTERNAL, "a turn ended without a finish event")
+            if reply.include_usage:
+                yield _sse(reply.usage_chunk(usage(choices[0].started, finished)))
+            yield "data: [DONE]\n\n"
         except Exception as e:
             error = api_error(e, call.request_id)
             call.finish(error)
             yield _sse(error.body())
             yield "data: [DONE]\n\n"
 
-    def _stream_response(self, call, events, observe, started, reply) -> StreamingResponse:
+    def _stream_response(self, call, choices: list[_Choice], reply: Reply) -> StreamingResponse:
         async def on_close() -> None:
-            if not call.done:  # the client left before the turn ended
-                await self._cancel_turn(reply.session_id)
+            if not call.done:  # the client left before the turns ended
+                for choice in choices:
+                    if not choice.done:
+                        await self._cancel_turn(choice.session_id)
                 call.finish(asyncio.CancelledError())
-            await events.aclose()
-            observe.end()
+            for choice in choices:
+                await choice.close()
 
-        return _EventStream(self._stream(call, events, observe, started, reply), on_close)
+        return _EventStream(self._stream(call, choices, reply), on_close)
 
     async def _cancel_turn(self, session_id: str) -> None:
         try:
@@ -467,23 +492,66 @@ class HttpApi:
             log.warning("session %s: cancel after a disconnect failed: %s", session_id, e)
 
 
-async def _collect(
-    events: AsyncIterator[gateway_pb2.GenerateEvent], observe: Callable[[Any], None], spec: SpecDecodeMetrics
-) -> tuple[str, gateway_pb2.GenerationFinished]:
-    texts = []
+@dataclass
+class _Choice:
+    """One of a request's n choices: its own turn (a session), its Generate events and their metrics observer."""
+
+    index: int
+    events: AsyncIterator[gateway_pb2.GenerateEvent]
+    observe: Any
+    started: gateway_pb2.GenerationStarted | None = None
+    session_id: str = ""
+    logprobs: Logprobs | None = None  # its own: text offsets run per choice
+    done: bool = False  # its turn finished
+
+    async def close(self) -> None:
+        await self.events.aclose()
+        self.observe.end()
+
+
+async def _collect(choice: _Choice, reply: Reply) -> tuple[str, gateway_pb2.GenerationFinished, list]:
+    """-> the choice's text, its finish and its tokens' logprobs entries (Logprobs.entries; [] when not asked)."""
+    texts, entries = [], []
     try:
-        async for event in events:
-            observe(event)
+        async for event in choice.events:
+            choice.observe(event)
             kind = event.WhichOneof("event")
             if kind == "delta":
                 texts.append(event.delta.text)
                 if event.delta.HasField("stats"):
-                    spec.observe(event.delta.stats)
+                    reply.spec.observe(event.delta.stats)
+                if choice.logprobs is not None:
+                    entries += choice.logprobs.entries(event.delta)
             elif kind == "finished":
-                return "".join(texts), event.finished
+                choice.done = True
+                return "".join(texts), event.finished, entries
         raise ApiError(grpc.StatusCode.INTERNAL, "the turn ended without a finish event")
     finally:
-        observe.end()
+        choice.observe.end()
+
+
+async def _merged(choices: list[_Choice]) -> AsyncIterator[tuple[_Choice, gateway_pb2.GenerateEvent]]:
+    """The choices' events as they come, each with its choice; an error in one ends the whole."""
+    if len(choices) == 1:  # the common case: no tasks
+        async for event in choices[0].events:
+            yield choices[0], event
+        return
+    pending = {asyncio.ensure_future(anext(c.events)): c for c in choices}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                choice = pending.pop(task)
+                try:
+                    event = task.result()
+                except StopAsyncIteration:
+                    continue
+                yield choice, event
+                pending[asyncio.ensure_future(anext(choice.events))] = choice
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)  # so the streams can be closed next
 
 
 async def _disconnected(request: Request) -> None:

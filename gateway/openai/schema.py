@@ -3,13 +3,14 @@
 Requests turn into the gateway's own GenerateRequest (`to_generate_request`); replies are built from
 its events by `Reply`. What is supported of OpenAI's API:
     both      model, max_tokens, temperature, top_p, seed, stop (a string or a list), stream,
-              stream_options.include_usage, n (1 only), user (ignored), presence_penalty and
-              frequency_penalty (0 only)
-    completions       prompt (a string or token ids; one prompt), echo (false), logprobs (null),
-                      suffix (null), best_of (1), logit_bias (empty)
+              stream_options.include_usage, n (1..16: n sessions, seeds seed, seed + 1, ...), user (ignored),
+              presence_penalty and
+              frequency_penalty (0 only), logit_bias (token id -> bias in [-100, 100])
+    completions       prompt (a string or token ids; one prompt), echo (false), logprobs (0..20),
+                      suffix (null), best_of (1)
     chat.completions  messages (role: system, developer, user, assistant or tool (with tool_call_id);
                       content: a string or text parts, required; name: passed to the chat template),
-                      max_completion_tokens, logprobs (false)
+                      max_completion_tokens, logprobs, top_logprobs (0..20, with logprobs)
     rsd's own (extra body fields): method, shape, top_k, session_id (continue that session: its
     committed tokens, then this request's prompt or messages)
     /tokenize, /detokenize  vLLM's bodies (TokenizeCompletionRequest / TokenizeChatRequest, DetokenizeRequest)
@@ -20,15 +21,19 @@ a field that changes sampling must not be dropped.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from rsd.logprobs import MAX_TOP_LOGPROBS
+from rsd.sampling import MAX_LOGIT_BIAS
 from rsd_service.client import build_params
 from rsd_wire import common_pb2, gateway_pb2
-from rsd_wire.convert import parse_method
+from rsd_wire.convert import parse_method, token_logprobs_from_proto
+
+MAX_CHOICES = 16  # n: each choice is a session of its own (a turn against max_running_turns)
 
 FINISH_REASONS = {
     common_pb2.FINISH_REASON_LENGTH: "length",
@@ -67,7 +72,7 @@ class _GenerateBody(_Body):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     user: str | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -76,11 +81,34 @@ class _GenerateBody(_Body):
     shape: str | None = None
     top_k: int | None = Field(None, ge=0)
     session_id: str | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, bias: dict[str, float]) -> dict[str, float]:
+        """Keys are token ids (decimal strings, as JSON keys are), values in [-100, 100]; ids past the vocabulary
+        are refused by the gateway, which knows it."""
+        for key, value in bias.items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise ValueError(f"the bias of token {key} must be in [-100, 100], got {value}")
+        return bias
 
     @field_validator("n")
     @classmethod
-    def _one_choice(cls, n: int) -> int:
-        return _only(n, 1, "n")
+    def _choices(cls, n: int, info: ValidationInfo) -> int:
+        seed = info.data.get("seed")
+        if seed is not None and seed + n > 2**64:
+            raise ValueError(f"the choices' seeds seed .. seed + n - 1 must be below 2^64 (seed {seed})")
+        return n
+
+    @field_validator("session_id")
+    @classmethod
+    def _one_session(cls, session_id: str | None, info: ValidationInfo) -> str | None:
+        if session_id and info.data.get("n", 1) > 1:
+            raise ValueError("n > 1 starts n new sessions: it cannot continue one")
+        return session_id
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -95,15 +123,44 @@ class _GenerateBody(_Body):
     def new_tokens(self) -> int:
         return self.max_tokens or 0  # 0: the session's or the gateway's default
 
+    @property
+    def num_top_logprobs(self) -> int | None:
+        """None: no logprobs; else the top tokens to list at each position."""
+        raise NotImplementedError
+
     def set_input(self, request: gateway_pb2.GenerateRequest) -> None:
         raise NotImplementedError
+
+    def to_generate_requests(self, request_id: str) -> list[gateway_pb2.GenerateRequest]:
+        """One GenerateRequest per choice: n independent sessions, choice i with seed + i (each its own random
+        seed when none is given), so each choice alone is what n = 1 with that seed gives."""
+        first = self.to_generate_request(request_id)
+        requests = [first]
+        for i in range(1, self.n):
+            request = gateway_pb2.GenerateRequest()
+            request.CopyFrom(first)
+            request.request_id = f"{request_id}-{i}"
+            if self.seed is not None:
+                request.params.seed = self.seed + i
+            requests.append(request)
+        return requests
 
     def to_generate_request(self, request_id: str) -> gateway_pb2.GenerateRequest:
         request = gateway_pb2.GenerateRequest(session_id=self.session_id or "", request_id=request_id)
         self.set_input(request)
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        bias = {int(t): b for t, b in (self.logit_bias or {}).items()}
         params = build_params(
-            self.method, self.shape, self.temperature, self.top_k, self.top_p, self.new_tokens, stops, self.seed
+            self.method,
+            self.shape,
+            self.temperature,
+            self.top_k,
+            self.top_p,
+            self.new_tokens,
+            stops,
+            self.seed,
+            bias,
+            self.num_top_logprobs,
         )
         if params is not None:
             request.params.CopyFrom(params)
@@ -113,10 +170,9 @@ class _GenerateBody(_Body):
 class CompletionRequest(_GenerateBody):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None
     best_of: int | None = None
-    logit_bias: dict[str, float] | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -127,11 +183,15 @@ class CompletionRequest(_GenerateBody):
             return prompt[0]
         return prompt
 
-    @field_validator("echo", "logprobs", "suffix", "best_of", "logit_bias")
+    @field_validator("echo", "suffix", "best_of")
     @classmethod
     def _unsupported(cls, value: Any, info: Any) -> Any:
-        allowed = {"echo": False, "best_of": 1, "logit_bias": {}}.get(info.field_name)
+        allowed = {"echo": False, "best_of": 1}.get(info.field_name)
         return value if value is None else _only(value, allowed, info.field_name)
+
+    @property
+    def num_top_logprobs(self) -> int | None:
+        return self.logprobs
 
     def set_input(self, request: gateway_pb2.GenerateRequest) -> None:
         if isinstance(self.prompt, str):
@@ -180,11 +240,18 @@ class ChatCompletionRequest(_GenerateBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
-    @field_validator("logprobs")
+    @field_validator("top_logprobs")
     @classmethod
-    def _no_logprobs(cls, value: bool) -> bool:
-        return _only(value, False, "logprobs")
+    def _with_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs: true")
+        return value
+
+    @property
+    def num_top_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def new_tokens(self) -> int:
@@ -227,9 +294,10 @@ class DetokenizeRequest(_Body):
 # Replies
 
 
-def usage(started: gateway_pb2.GenerationStarted, finished: gateway_pb2.GenerationFinished) -> dict[str, int]:
-    """prompt_tokens: what this request's input appended (the prompt, or a continuation's new turn)."""
-    prompt, completion = started.input_length_tokens, finished.num_new_tokens
+def usage(started: gateway_pb2.GenerationStarted, finished: list[gateway_pb2.GenerationFinished]) -> dict[str, int]:
+    """prompt_tokens: what this request's input appended (the prompt, or a continuation's new turn), counted once
+    (as OpenAI counts it for n choices); completion_tokens: every choice's."""
+    prompt, completion = started.input_length_tokens, sum(f.num_new_tokens for f in finished)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -307,50 +375,116 @@ class SpecDecodeMetrics:
         }
 
 
+_MIN_LOGPROB = -9999.0  # JSON has no -inf (a token the model rules out): vLLM's floor too
+
+# One token of a choice's logprobs: (its text, its logprob, the top tokens' (text, logprob) at its position).
+Entry = tuple[str, float, list[tuple[str, float]]]
+
+
+@dataclass
+class Logprobs:
+    """A choice's `logprobs` from its TokenDeltas' TokenLogprobs (the target's raw log-probabilities:
+    rsd.logprobs), in OpenAI's shapes. A token's text is the tokenizer's decoding of that one id.
+        chat         {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}
+        completions  {"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}: text_offset is
+                     where each token's text starts in the completion, counted over the chunks of a stream"""
+
+    chat: bool
+    decode: Callable[[list[int]], str]
+    text_offset: int = 0
+
+    def entries(self, delta: gateway_pb2.TokenDelta) -> list[Entry]:
+        if not delta.HasField("logprobs"):
+            return []
+        lp = token_logprobs_from_proto(delta.logprobs, len(delta.token_ids))
+        entries = []
+        for row, (token, logprob) in enumerate(zip(delta.token_ids, lp.logprobs.tolist(), strict=True)):
+            top = zip(lp.top_ids[row].tolist(), lp.top_logprobs[row].tolist(), strict=True)
+            alternatives = [(self.decode([t]), max(v, _MIN_LOGPROB)) for t, v in top]
+            entries.append((self.decode([token]), max(logprob, _MIN_LOGPROB), alternatives))
+        return entries
+
+    def body(self, entries: list[Entry]) -> dict[str, Any]:
+        if self.chat:
+
+            def item(token: str, logprob: float) -> dict[str, Any]:
+                return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+            content = [{**item(t, v), "top_logprobs": [item(s, x) for s, x in top]} for t, v, top in entries]
+            return {"content": content}
+        offsets = []
+        for token, _, _ in entries:
+            offsets.append(self.text_offset)
+            self.text_offset += len(token)
+        return {
+            "tokens": [t for t, _, _ in entries],
+            "token_logprobs": [v for _, v, _ in entries],
+            "top_logprobs": [dict(top) for _, _, top in entries],
+            "text_offset": offsets,
+        }
+
+
 @dataclass
 class Reply:
     """The reply objects of one request: a whole completion, or its stream's chunks. Each carries the
-    session id (`session_id`, not OpenAI's): send it back as an extra field to continue the session."""
+    session id (`session_id`, not OpenAI's): send it back as an extra field to continue the session; with
+    n > 1 choices, `session_ids` lists each choice's session."""
 
     chat: bool
     request_id: str
     model: str
-    session_id: str
+    session_id: str  # choice 0's
     spec: SpecDecodeMetrics  # fed each step's stats; in the whole reply and the stream's last chunk
     include_usage: bool = False
+    session_ids: list[str] = field(default_factory=list)  # every choice's, when n > 1 (`session_ids`, not OpenAI's)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def _head(self, kind: str) -> dict[str, Any]:
         prefix = "chatcmpl" if self.chat else "cmpl"
         return {"id": f"{prefix}-{self.request_id}", "object": kind, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, finish_reason: str, token_usage: dict[str, int]) -> dict[str, Any]:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
-        else:
-            choice = {"index": 0, "text": text}
-        choice.update(logprobs=None, finish_reason=finish_reason)
+    def _sessions(self) -> dict[str, Any]:
+        many = {"session_ids": self.session_ids} if len(self.session_ids) > 1 else {}
+        return {"session_id": self.session_id, **many}
+
+    def whole(self, ends: list[tuple[str, str, dict[str, Any] | None]], token_usage: dict[str, int]) -> dict[str, Any]:
+        """ends: each choice's (text, finish reason, logprobs object or None)."""
+        choices = []
+        for index, (text, finish_reason, logprobs) in enumerate(ends):
+            if self.chat:
+                choice = {"index": index, "message": {"role": "assistant", "content": text}}
+            else:
+                choice = {"index": index, "text": text}
+            choice.update(logprobs=logprobs, finish_reason=finish_reason)
+            choices.append(choice)
         kind = "chat.completion" if self.chat else "text_completion"
-        body = {**self._head(kind), "choices": [choice], "usage": token_usage, "session_id": self.session_id}
+        body = {**self._head(kind), "choices": choices, "usage": token_usage, **self._sessions()}
         return {**body, "metrics": self.spec.body()}
 
     def chunk(
-        self, text: str, finish_reason: str | None = None, first: bool = False, last: bool = False
+        self,
+        text: str,
+        finish_reason: str | None = None,
+        first: bool = False,
+        last: bool = False,
+        logprobs: dict[str, Any] | None = None,
+        index: int = 0,
     ) -> dict[str, Any]:
+        """logprobs: the chunk's tokens' logprobs object (Logprobs.body), None when not asked or no tokens."""
         if self.chat:
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta}
+            choice = {"index": index, "delta": delta}
         else:
-            choice = {"index": 0, "text": text}
-        choice.update(logprobs=None, finish_reason=finish_reason)
+            choice = {"index": index, "text": text}
+        choice.update(logprobs=logprobs, finish_reason=finish_reason)
         body = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
         if self.include_usage:
             body["usage"] = None
-        body["session_id"] = self.session_id
+        body.update(self._sessions())
         return {**body, "metrics": self.spec.body()} if last else body
 
     def usage_chunk(self, token_usage: dict[str, int]) -> dict[str, Any]:
         """The last chunk when the client asked for usage (stream_options.include_usage)."""
         kind = "chat.completion.chunk" if self.chat else "text_completion"
-        body = {**self._head(kind), "choices": [], "usage": token_usage, "session_id": self.session_id}
+        body = {**self._head(kind), "choices": [], "usage": token_usage, **self._sessions()}
         return {**body, "metrics": self.spec.body()}

@@ -74,7 +74,12 @@ def test_params_merge_and_validate():
     assert merged["max_new_tokens"] == 5 and merged["stop_sequences"] == ["\n"]
     again = merge_params(merged, build_params(shape="2"))  # a continuation keeps what it does not name
     assert (again["method"], again["shape"], again["temperature"]) == ("sd", "2", 0.0)
-    validate_params(again, config)
+    validate_params(again, config, 64)
+    biased = merge_params(again, build_params(logit_bias={9: -100.0, 3: 2.5}, top_logprobs=4))
+    assert biased["logit_bias"] == [[3, 2.5], [9, -100.0]] and (biased["logprobs"], biased["top_logprobs"]) == (True, 4)
+    validate_params(biased, config, 64)
+    later = merge_params(biased, build_params(seed=1))
+    assert later["logit_bias"] == [[3, 2.5], [9, -100.0]] and not later["logprobs"]  # logprobs: the turn's own
     for change, reason in [
         ({"temperature": -1.0}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
@@ -83,9 +88,13 @@ def test_params_merge_and_validate():
         ({"max_new_tokens": 10_000}, "max_new_tokens"),
         ({"stop_sequences": ["a"] * 9}, "stop_sequences"),
         ({"stop_sequences": [""]}, "stop_sequences"),
+        ({"logit_bias": [[64, 1.0]]}, "logit_bias token id 64 is outside the vocabulary"),
+        ({"logit_bias": [[3, -100.01]]}, "logit_bias values"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs: needs params.logprobs"),
     ]:
         with pytest.raises(RequestError, match=reason):
-            validate_params({**again, **change}, config)
+            validate_params({**again, **change}, config, 64)
 
 
 def _byte_level_tokenizer() -> PreTrainedTokenizerFast:

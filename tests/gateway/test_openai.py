@@ -21,6 +21,7 @@ import grpc
 import httpx2 as httpx
 import openai
 import pytest
+import torch
 from prometheus_client import generate_latest
 
 from gateway.chat import ChatTemplate
@@ -32,6 +33,7 @@ from rsd_service.security import ClientSecurity
 from rsd_tools.launcher import ClusterSecurity
 from rsd_tools.tiny import word_tokenizer
 from rsd_wire import common_pb2, gateway_pb2
+from rsd_wire.convert import token_logprobs_from_proto
 from tests.fixtures.pki import make_pki
 from tests.fixtures.stack import start_registered_services, start_stack
 
@@ -279,7 +281,9 @@ def test_auth_failures_are_401(gw):
 @pytest.mark.parametrize(
     ("change", "param", "reason"),
     [
-        ({"n": 2}, "n", "only 1"),
+        ({"n": 17}, "n", "n: Input should be less than or equal to 16"),
+        ({"n": 2, "seed": 2**64 - 1}, "n", "seeds seed .. seed + n - 1 must be below 2^64"),
+        ({"n": 2, "session_id": "abc"}, "session_id", "n > 1 starts n new sessions"),
         ({"temperature": -1}, "temperature", "temperature: Input should be greater than or equal to 0"),
         ({"temperature": float("nan")}, "temperature", "temperature: Input should be a finite number"),
         ({"top_p": 0}, "top_p", "top_p"),
@@ -290,7 +294,10 @@ def test_auth_failures_are_401(gw):
         ({"prompt": [4, 99_999]}, "prompt", "prompt: token id 99999 is outside [0, "),
         ({"stop": ["x"] * 9}, "stop", "stop: at most 8, got 9"),
         ({"stream": "maybe"}, "stream", "stream: Input should be a valid boolean"),
-        ({"logprobs": 2}, "logprobs", "logprobs"),
+        ({"logprobs": 21}, "logprobs", "logprobs: Input should be less than or equal to 20"),
+        ({"logit_bias": {"w5": 1}}, "logit_bias", "logit_bias: keys must be token ids, got 'w5'"),
+        ({"logit_bias": {"5": 100.5}}, "logit_bias", "the bias of token 5 must be in [-100, 100], got 100.5"),
+        ({"logit_bias": {"99999": -1}}, "logit_bias", "logit_bias token id 99999 is outside the vocabulary"),
         ({"bogus": 1}, "bogus", "bogus: Extra inputs are not permitted"),
         ({"model": None}, "model", "model: Field required"),
         ({"method": "beam"}, "method", "method: unknown method"),
@@ -303,7 +310,7 @@ def test_bad_parameters_are_400_naming_the_parameter(gw, change, param, reason):
     body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 4, **change})  # NaN as JSON's NaN
     headers = {"authorization": f"Bearer {TOKEN}", "content-type": "application/json"}
     reply = httpx.post(f"{gw.base_url}/completions", content=body, headers=headers, timeout=60)
-    expected = 404 if "session_id" in change else 400
+    expected = 404 if change.get("session_id") == "no-such-session" else 400
     assert reply.status_code == expected, reply.text
     error = reply.json()["error"]
     assert reason in error["message"] and error["param"] == param, error
@@ -738,3 +745,179 @@ def test_speculative_metrics_in_the_reply_and_the_last_chunk(gw, include_usage):
     )
     spec = chat.model_extra["metrics"]["speculative_decoding"]
     assert spec["num_spec_tokens"] == 4 and len(spec["acceptance_histogram"]) == 5 and spec["num_spec_steps"] >= 1
+
+
+# ---------------------------------------------------------------------------------------------
+# logprobs and logit_bias
+
+
+def plain_logprobs(target, before: list[int], new: list[int]) -> torch.Tensor:
+    """log_softmax of the target's logits where each of `new` was generated, from one plain forward [M, V]."""
+    seq = before + new
+    with torch.no_grad():
+        logits = target(torch.tensor([seq])).logits[0, len(before) - 1 : len(seq) - 1]
+    return torch.log_softmax(logits.float(), -1)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_grpc_logprobs_are_the_targets_log_softmax(gw, pair, tiny_tokenizer, temperature):
+    """Through the real services: every committed token's logprob, and the top 3 at its position, equal
+    log_softmax of the target's logits in a plain forward (raw: the same at T = 0 and T = 1)."""
+    prompt = tiny_tokenizer.encode(PROMPT, add_special_tokens=False)
+    with gw.grpc() as client:
+        gen = client.generate(PROMPT, temperature=temperature, seed=3, max_new_tokens=12, top_logprobs=3, **RSD_C)
+        deltas = list(gen)
+    chosen = torch.cat([token_logprobs_from_proto(d.logprobs, len(d.token_ids)).logprobs for d in deltas])
+    top = torch.cat([token_logprobs_from_proto(d.logprobs, len(d.token_ids)).top_logprobs for d in deltas])
+    want = plain_logprobs(pair[1], prompt, gen.token_ids)
+    assert len(gen.token_ids) == 12 and all(d.HasField("logprobs") for d in deltas)
+    assert torch.allclose(chosen, want[torch.arange(12), torch.tensor(gen.token_ids)], atol=1e-4)
+    assert torch.allclose(top, want.topk(3, -1).values, atol=1e-4)
+    with gw.grpc() as client:  # a turn that does not ask gets none
+        assert not any(d.HasField("logprobs") for d in client.generate(PROMPT, max_new_tokens=3))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_completion_logprobs_legacy_shape(gw, pair, tiny_tokenizer, temperature, stream):
+    client, prompt = gw.openai(), tiny_tokenizer.encode(PROMPT, add_special_tokens=False)
+    kwargs = {"model": MODEL, "prompt": PROMPT, "max_tokens": 10, "temperature": temperature, "seed": 4, "logprobs": 2}
+    if stream:
+        chunks = list(client.completions.create(stream=True, **kwargs))
+        session_id = chunks[0].session_id
+        parts = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+        tokens = [t for p in parts for t in p.tokens]
+        values = [v for p in parts for v in p.token_logprobs]
+        tops = [d for p in parts for d in p.top_logprobs]
+        offsets = [o for p in parts for o in p.text_offset]
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+    else:
+        out = client.completions.create(**kwargs)
+        session_id, lp, text = out.session_id, out.choices[0].logprobs, out.choices[0].text
+        tokens, values, tops, offsets = lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset
+    ids = list(wait_until_done(gw, session_id).committed_token_ids[len(prompt) :])
+    want = plain_logprobs(pair[1], prompt, ids)
+    assert tokens == [tiny_tokenizer.decode([t]) for t in ids]  # vLLM's: each id decoded alone
+    # the text: the same words (a word-level tokenizer's spaces come from the context), special tokens skipped
+    assert text.split() == [t for t in tokens if t not in tiny_tokenizer.all_special_tokens]
+    assert torch.allclose(torch.tensor(values), want[torch.arange(len(ids)), torch.tensor(ids)], atol=1e-4)
+    best = want.topk(2, -1)
+    for row, top in enumerate(tops):
+        names = [tiny_tokenizer.decode([t]) for t in best.indices[row].tolist()]
+        assert list(top) == names and torch.allclose(torch.tensor(list(top.values())), best.values[row], atol=1e-4)
+    assert offsets == [len("".join(tokens[:i])) for i in range(len(tokens))]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_chat_logprobs_and_top_logprobs(gw, pair, tiny_tokenizer, stream):
+    messages = [{"role": r, "content": c} for r, c in CHAT]
+    client, prompt = gw.openai(), chat_ids(tiny_tokenizer, CHAT)
+    kwargs = {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 1.0, "seed": 8}
+    kwargs.update(logprobs=True, top_logprobs=4)
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **kwargs))
+        session_id = chunks[0].session_id
+        content = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    else:
+        out = client.chat.completions.create(**kwargs)
+        session_id, content = out.session_id, out.choices[0].logprobs.content
+    ids = list(wait_until_done(gw, session_id).committed_token_ids[len(prompt) :])
+    want = plain_logprobs(pair[1], prompt, ids)
+    assert [e.token for e in content] == [tiny_tokenizer.decode([t]) for t in ids]
+    assert all(e.bytes == list(e.token.encode()) and len(e.top_logprobs) == 4 for e in content)
+    got = torch.tensor([e.logprob for e in content])
+    assert torch.allclose(got, want[torch.arange(len(ids)), torch.tensor(ids)], atol=1e-4)
+    got_top = torch.tensor([[t.logprob for t in e.top_logprobs] for e in content])
+    assert torch.allclose(got_top, want.topk(4, -1).values, atol=1e-4)
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs: Input should be less than or equal to 20"),
+        ({"top_logprobs": 2}, "top_logprobs: needs logprobs: true"),
+    ],
+)
+def test_chat_top_logprobs_is_checked(gw, change, reason):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "w5"}], "max_tokens": 2, **change}
+    reply = httpx.post(f"{gw.base_url}/chat/completions", json=body, headers=_auth(), timeout=60)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == "top_logprobs" and reason in error["message"], error
+
+
+def test_grpc_top_logprobs_over_20_is_invalid_argument(gw):
+    with gw.grpc() as client, pytest.raises(grpc.RpcError) as info:
+        client.generate(PROMPT, max_new_tokens=2, top_logprobs=21).wait()
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_logprobs" in info.value.details()
+
+
+def test_logit_bias_forces_and_bans_tokens(gw, tiny_tokenizer):
+    """+100 on one token makes greedy decoding emit only it; -100 on the tokens a seeded T = 1 run emitted
+    bans them from the same run (the same seed: every other draw is the same)."""
+    client = gw.openai()
+    (forced,) = tiny_tokenizer.encode("w30", add_special_tokens=False)
+    out = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0.0, logit_bias={str(forced): 100}
+    )
+    assert list(wait_until_done(gw, out.session_id).committed_token_ids[4:]) == [forced] * 8
+    kwargs = {"model": MODEL, "prompt": PROMPT, "max_tokens": 16, "temperature": 1.0, "seed": 21}
+    free = client.completions.create(**kwargs)
+    emitted = set(wait_until_done(gw, free.session_id).committed_token_ids[4:])
+    banned = client.completions.create(**kwargs, logit_bias=dict.fromkeys(map(str, emitted), -100))
+    again = list(wait_until_done(gw, banned.session_id).committed_token_ids[4:])
+    assert again and not set(again) & emitted
+    with gw.grpc() as grpc_client:  # the same through gRPC
+        ref = grpc_client.generate(PROMPT, temperature=0.0, max_new_tokens=8, logit_bias={forced: 100.0}).wait()
+    assert ref.token_ids == [forced] * 8
+
+
+# ---------------------------------------------------------------------------------------------
+# n > 1: n sessions, seeds seed, seed + 1, ...
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_n_choices_are_the_single_runs_with_seeds_seed_plus_i(gw, stream):
+    client = gw.openai()
+    kwargs = {"model": MODEL, "prompt": PROMPT, "max_tokens": 10, "temperature": 0.9}
+    if stream:
+        chunks = list(
+            client.completions.create(n=3, seed=11, stream=True, stream_options={"include_usage": True}, **kwargs)
+        )
+        texts, finish = ["", "", ""], [None, None, None]
+        for chunk in chunks[:-1]:
+            (choice,) = chunk.choices
+            texts[choice.index] += choice.text
+            finish[choice.index] = choice.finish_reason or finish[choice.index]
+        token_usage, session_ids = chunks[-1].usage, chunks[0].session_ids
+        assert chunks[-1].metrics["speculative_decoding"]["num_spec_steps"] > 0
+    else:
+        out = client.completions.create(n=3, seed=11, **kwargs)
+        assert [c.index for c in out.choices] == [0, 1, 2]
+        texts, finish = [c.text for c in out.choices], [c.finish_reason for c in out.choices]
+        token_usage, session_ids = out.usage, out.session_ids
+    singles = [client.completions.create(seed=11 + i, **kwargs) for i in range(3)]
+    assert texts == [one.choices[0].text for one in singles] and len(set(texts)) > 1
+    assert finish == [one.choices[0].finish_reason for one in singles]
+    assert token_usage.prompt_tokens == 4  # once, as OpenAI counts it
+    assert token_usage.completion_tokens == sum(one.usage.completion_tokens for one in singles)
+    assert len(set(session_ids)) == 3
+    for session_id, one in zip(session_ids, singles, strict=True):
+        assert (
+            wait_until_done(gw, session_id).committed_token_ids
+            == wait_until_done(gw, one.session_id).committed_token_ids
+        )
+
+
+def test_n_chat_choices_with_logprobs(gw):
+    messages = [{"role": r, "content": c} for r, c in CHAT]
+    kwargs = {"model": MODEL, "messages": messages, "max_tokens": 6, "temperature": 1.0, "logprobs": True}
+    out = gw.openai().chat.completions.create(n=2, seed=30, **kwargs)
+    one = gw.openai().chat.completions.create(seed=31, **kwargs)
+    assert out.choices[1].message.content == one.choices[0].message.content
+    assert [e.logprob for e in out.choices[1].logprobs.content] == [e.logprob for e in one.choices[0].logprobs.content]
+    assert len(out.choices[0].logprobs.content) == len(
+        wait_until_done(gw, out.session_ids[0]).committed_token_ids
+    ) - len(wait_until_done(gw, out.session_ids[0]).prompt_token_ids)

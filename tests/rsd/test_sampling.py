@@ -1,4 +1,5 @@
-"""rsd.sampling: the transforms (temperature, top-k, top-p), the proposal laws, supports and the samplers."""
+"""rsd.sampling: the transforms (logit bias, temperature, top-k, top-p), the proposal laws, supports and the
+samplers."""
 
 import pytest
 import torch
@@ -54,6 +55,8 @@ def test_top_k_indices_is_the_top_k_set(vocab, k):
         (SamplingParams(1.0, top_p=0.9), 256, 1.0),  # top-p: the general path
         (SamplingParams(1.0), 256, 0.95),
         (SamplingParams(0.0), 256, 1.0),  # greedy: one-hot
+        (SamplingParams(0.8, top_k=40, logit_bias=((3, 8.0), (7, -100.0), (151_935, 5.5))), 256, 1.0),
+        (SamplingParams(0.0, logit_bias=((11, 100.0),)), 256, 1.0),
     ],
 )
 def test_proposal_probs_is_the_truncated_law(params, top_k, top_p):
@@ -120,3 +123,42 @@ def test_samplers_refuse_a_row_that_is_not_a_law(row):
         sample(probs, torch.full((2,), 0.5, dtype=torch.float64))
     with pytest.raises(ValueError, match="not a law"):
         gumbel_top_k(probs, 2, StepRandom(0, Stream.DRAFT, 0), torch.tensor([0, 1]))
+
+
+def test_logit_bias_is_added_to_the_logits_before_the_rest():
+    logits = _logits(3, 50)
+    bias = ((2, 1.5), (9, -100.0), (49, 100.0))
+    got = logits_to_probs(logits, SamplingParams(0.7, logit_bias=bias))
+    shifted = logits.clone()
+    for t, b in bias:
+        shifted[:, t] += b
+    assert torch.allclose(got, torch.softmax(shifted / 0.7, -1), atol=1e-7, rtol=0)
+    assert torch.equal(logits, _logits(3, 50))  # the caller's logits are left alone
+    greedy = logits_to_probs(logits, SamplingParams(0.0, logit_bias=((5, 100.0),)))
+    assert greedy.argmax(-1).tolist() == [5, 5, 5]
+    assert float(got[:, 9].max()) < 1e-40  # -100: banned in practice
+
+
+@pytest.mark.parametrize(
+    "bias, message",
+    [
+        (((3, 100.5),), "logit_bias values must be in"),
+        (((3, float("nan")),), "logit_bias values must be in"),
+        (((-1, 1.0),), "logit_bias token ids"),
+        (((4, 1.0), (3, 1.0)), "logit_bias token ids"),  # not increasing
+        (((3, 1.0), (3, 2.0)), "logit_bias token ids"),  # twice
+    ],
+)
+def test_logit_bias_is_validated(bias, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(1.0, logit_bias=bias)
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused():
+    params = SamplingParams(1.0, logit_bias=((50, 1.0),))
+    params.check_vocab(51)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        params.check_vocab(50)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        logits_to_probs(_logits(2, 50), params)
+    assert SamplingParams(1.0, logit_bias=((0, -100.0), (2, 100.0))).logit_bias[1] == (2, 100.0)  # the edges

@@ -6,12 +6,15 @@ target's law. Pearson chi-square; a correct sampler fails with probability 1e-4 
 negative control must land far below.
 """
 
+from functools import cache
+
 import pytest
 import torch
 
 from rsd.acceptance import RULES, verify
 from rsd.drafting import DraftMode, draft_sbs, draft_spectr, draft_tree
 from rsd.random import StepRandom, Stream
+from rsd.sampling import SamplingParams, logits_to_probs, proposal_probs
 from tests.fixtures import toy
 
 WOR, IID = DraftMode.WITHOUT_REPLACEMENT, DraftMode.IID
@@ -116,3 +119,38 @@ def test_pipeline_negative_control_wrong_rule_is_detected():
     n = 6000
     counts = _emitted_counts(drafter, "rrs_with_replacement", depth, draft, target, n, seed=1)
     assert toy.chi_square_pvalue(counts, toy.extend((), target, depth + 1), n) < 1e-8
+
+
+# ---- logit_bias: one transform of both laws keeps the output exact, for the biased target law ----------
+
+BIAS = SamplingParams(0.8, top_k=3, logit_bias=((1, 1.5), (2, -100.0)))  # V = 4: favour 1, ban 2
+
+
+def _logit_table(seed):
+    table = toy.random_table(seed, V)
+    return lambda prefix: torch.log(table(prefix))  # [V] float64 logits
+
+
+def _law_table(logits, law):
+    return cache(lambda prefix: law(logits(prefix)[None])[0])
+
+
+def test_logit_bias_on_both_laws_gives_the_biased_target_law():
+    """Drafted with the drafter's law (proposal_probs, its top-k fast path) and verified with the target's
+    (logits_to_probs), both biased: the exact law of a step and the emitted counts are the biased target's;
+    biasing the draft alone (the target unbiased) gives the plain target's law, which the bias moved."""
+    draft = _law_table(_logit_table(41), lambda x: proposal_probs(x, BIAS))
+    target_logits = _logit_table(42)
+    target = _law_table(target_logits, lambda x: logits_to_probs(x, BIAS))
+    plain = _law_table(target_logits, lambda x: logits_to_probs(x, SamplingParams(0.8, top_k=3)))
+    depth, rule = 2, RULES["rrs"]
+    trees = toy.branching_tree_law(draft, V, [2, 2], WOR)
+    want = toy.extend((), target, depth + 1)
+    assert toy.max_abs_diff(toy.speculative_law(trees, target, rule, depth + 1), want) < 1e-9
+    assert all(2 not in seq for seq, p in want.items() if p > 1e-30)  # -100: banned
+    drafter, _, _ = PIPELINES["rsd_c_2x2"]
+    n = 6000
+    counts = _emitted_counts(drafter, "rrs", depth, draft, target, n, seed=3)
+    assert toy.chi_square_pvalue(counts, want, n) > P_MIN
+    unbiased_target = _emitted_counts(drafter, "rrs", depth, draft, plain, n, seed=3)
+    assert toy.chi_square_pvalue(unbiased_target, want, n) < 1e-8  # negative control

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from rsd.acceptance import RULES, Verdict, verify
+from rsd.logprobs import TokenLogprobs, token_logprobs
 from rsd.methods import METHOD_NAMES, Method
 from rsd.random import StepRandom, Stream
 from rsd.sampling import SamplingParams
@@ -34,10 +35,13 @@ from rsd_wire.convert import (
     method_from_proto,
     method_shape,
     method_to_proto,
+    num_top_logprobs,
     sampling_params_from_proto,
     sampling_params_to_proto,
     tensor_from_proto,
     tensor_to_proto,
+    token_logprobs_from_proto,
+    token_logprobs_to_proto,
     verdict_from_proto,
     verdict_to_proto,
 )
@@ -294,7 +298,13 @@ def test_verdict_from_proto_rejects_bad_verdicts(msg):
 
 @pytest.mark.parametrize(
     "params",
-    [SamplingParams(), SamplingParams(0.0), SamplingParams(0.7, 50, 0.9), SamplingParams(1.3, 0, 0.123456789)],
+    [
+        SamplingParams(),
+        SamplingParams(0.0),
+        SamplingParams(0.7, 50, 0.9),
+        SamplingParams(1.3, 0, 0.123456789),
+        SamplingParams(0.8, logit_bias=((0, -100.0), (7, 0.25), (151_935, 100.0))),
+    ],
 )
 def test_sampling_params_round_trip(params):
     msg = common_pb2.SamplingParams.FromString(sampling_params_to_proto(params).SerializeToString())
@@ -404,3 +414,29 @@ def test_grpc_options_carry_messages_over_the_default_limit():
     finally:
         server.stop(grace=None)
     assert [(v.session_id, v.next_token_id) for v in verdicts] == [("s1", 4 * vocab_size)]
+
+
+def test_token_logprobs_round_trip_and_checks():
+    lp = token_logprobs(torch.randn(3, 40, generator=torch.Generator().manual_seed(1)), torch.tensor([1, 2, 3]), 4)
+    msg = common_pb2.TokenLogprobs.FromString(token_logprobs_to_proto(lp).SerializeToString())
+    back = token_logprobs_from_proto(msg, 3)
+    assert torch.equal(back.logprobs, lp.logprobs) and torch.equal(back.top_ids, lp.top_ids)
+    assert torch.equal(back.top_logprobs, lp.top_logprobs)
+    with pytest.raises(ValueError, match="logprobs: expected float32 \\[2\\]"):
+        token_logprobs_from_proto(msg, 2)  # not the step's token count
+    too_many = token_logprobs(torch.zeros(1, 40), torch.tensor([0]), 20)
+    wide = token_logprobs_to_proto(
+        TokenLogprobs(too_many.logprobs, torch.zeros(1, 21, dtype=torch.long), torch.zeros(1, 21))
+    )
+    with pytest.raises(ValueError, match="k <= 20"):
+        token_logprobs_from_proto(wide, 1)
+
+
+def test_num_top_logprobs_reads_the_request():
+    assert num_top_logprobs(common_pb2.GenerationParams()) is None
+    assert num_top_logprobs(common_pb2.GenerationParams(logprobs=True)) == 0
+    assert num_top_logprobs(common_pb2.GenerationParams(logprobs=True, top_logprobs=20)) == 20
+    with pytest.raises(ValueError, match="top_logprobs must be in \\[0, 20\\]"):
+        num_top_logprobs(common_pb2.GenerationParams(logprobs=True, top_logprobs=21))
+    with pytest.raises(ValueError, match=r"needs params\.logprobs"):
+        num_top_logprobs(common_pb2.GenerationParams(top_logprobs=3))

@@ -83,7 +83,7 @@ def test_packed_step_matches_each_session_alone(pair):
             runner.commit(list(range(runner.num_tentative - req.tree.num_nodes)))  # keep the chain only
             torch.testing.assert_close(packed[i], ref_logits, atol=ATOL, rtol=0)
             ref = Verifier(runner).verify(committed[s], req.tree, req.rule, req.params, _rng(100 * step + i))
-            assert verdicts[i] == ref
+            assert verdicts[i].verdict == ref
             committed[s] = committed[s] + ref.token_ids
             assert engine.cached_length(s) == runner.cache_len == len(committed[s]) - 1
 
@@ -273,3 +273,53 @@ def test_prefill_chains_get_no_logits(pair):
             ),
         )[len(committed[s]) - 1 :]
         torch.testing.assert_close(g, want, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(0), SamplingParams(1.0), SamplingParams(0.7, top_k=5)])
+def test_logprobs_are_the_plain_forwards_log_softmax(pair, params):
+    """Each emitted token's logprob (and the top 5) is log_softmax of the target's own logits at its position,
+    as one plain forward of the whole sequence gives them: raw, whatever the temperature, packed or not."""
+    _, target = pair
+    vocab = target.config.vocab_size
+    engine = VerifierPool(target, num_slots=2, max_len=64)
+    committed = {"a": list(PROMPTS[0]), "b": list(PROMPTS[2])}
+    for s in committed:
+        engine.attach(s, committed[s])
+    rule = RULES["greedy" if params.greedy else "rrs"]
+    for step in range(3):
+        reqs = [
+            VerifyRequest(
+                s, committed[s], random_tree(committed[s][-1], SHAPES[i], vocab, step), rule, params, _rng(step), 5
+            )
+            for i, s in enumerate(committed)
+        ]
+        for req, verdict in zip(reqs, engine.verify_batch(reqs), strict=True):
+            before = req.committed_ids
+            seq = before + verdict.token_ids
+            with torch.no_grad():
+                logits = target(torch.tensor([seq])).logits[0, len(before) - 1 : len(seq) - 1].float()  # [M, V]
+            want = torch.log_softmax(logits, -1)
+            lp = verdict.logprobs
+            assert len(lp) == len(verdict.token_ids)
+            assert torch.allclose(lp.logprobs, want[torch.arange(len(lp)), torch.tensor(verdict.token_ids)], atol=1e-4)
+            assert torch.allclose(lp.top_logprobs, want.topk(5, -1).values, atol=1e-4)
+            committed[req.session_id] = seq
+    plain = VerifyRequest("a", committed["a"], random_tree(committed["a"][-1], [-1], vocab, 9), rule, params, _rng())
+    assert engine.verify_batch([plain])[0].logprobs is None  # not asked
+
+
+def test_logit_bias_moves_the_greedy_token_and_is_checked(pair):
+    _, target = pair
+    vocab = target.config.vocab_size
+    engine = VerifierPool(target, num_slots=1, max_len=64)
+    committed = list(PROMPTS[0])
+    engine.attach("a", committed)
+    forced = SamplingParams(0, logit_bias=((33, 100.0),))
+    tree = random_tree(committed[-1], SHAPES[0], vocab, 1)
+    verdict = engine.verify_batch([VerifyRequest("a", committed, tree, RULES["greedy"], forced, _rng())])[0]
+    assert set(verdict.token_ids) == {33}  # +100: the argmax at every node
+    committed += verdict.token_ids
+    outside = SamplingParams(0, logit_bias=((vocab, 1.0),))
+    tree = random_tree(33, SHAPES[0], vocab, 2)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.verify_batch([VerifyRequest("a", committed, tree, RULES["greedy"], outside, _rng())])
