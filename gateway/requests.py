@@ -16,7 +16,7 @@ from rsd.methods import DEFAULT_SHAPES
 from rsd.sampling import SamplingParams
 from rsd_service.registry import ServiceInfo, check_id
 from rsd_wire import common_pb2, gateway_pb2
-from rsd_wire.convert import parse_method
+from rsd_wire.convert import parse_method, rule_from_proto
 
 MAX_REQUEST_ID = 128
 MAX_STOP_CHARS = 256
@@ -101,6 +101,7 @@ def default_params(config: GatewayConfig) -> dict[str, Any]:
         "max_new_tokens": config.default_max_new_tokens,
         "stop_sequences": [],
         "seed": None,
+        "verification": "token",
     }
 
 
@@ -127,18 +128,24 @@ def merge_params(base: Mapping[str, Any], msg: common_pb2.GenerationParams | Non
         params["stop_sequences"] = list(msg.stop_sequences)
     if msg.HasField("seed"):
         params["seed"] = msg.seed
+    if msg.verification:
+        params["verification"] = msg.verification
     return params
 
 
 def validate_params(params: Mapping[str, Any], config: GatewayConfig) -> None:
     try:
-        SamplingParams(float(params["temperature"]), int(params["top_k"]), float(params["top_p"]))
+        sampling = SamplingParams(float(params["temperature"]), int(params["top_k"]), float(params["top_p"]))
     except ValueError as e:
         raise RequestError(f"params.sampling: {e}", "params.sampling") from None
     try:
-        parse_method(params["method"], params["shape"])
+        method = parse_method(params["method"], params["shape"])
     except ValueError as e:
         raise RequestError(f"params.method: {e}", "params.method") from None
+    try:  # the services would refuse it at the run's start; refused here, before anything is stored
+        rule_from_proto(params_to_proto(params), sampling, method)
+    except ValueError as e:
+        raise RequestError(str(e), "params.verification") from None
     if not 1 <= params["max_new_tokens"] <= config.max_new_tokens_limit:
         raise RequestError(
             f"params.max_new_tokens: must be in [1, {config.max_new_tokens_limit}], got {params['max_new_tokens']}",
@@ -207,6 +214,7 @@ def params_to_proto(params: Mapping[str, Any]) -> common_pb2.GenerationParams:
     )
     if params.get("seed") is not None:
         msg.seed = int(params["seed"])
+    msg.verification = params.get("verification", "token")  # sessions stored before the field: the default
     return msg
 
 

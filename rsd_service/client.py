@@ -95,12 +95,14 @@ class RsdClient:
         max_new_tokens: int = 0,
         stop: Sequence[str] = (),
         seed: int | None = None,
+        verification: str | None = None,
         resume_from_position: int | None = None,
         request_id: str = "",
     ) -> Generation:
         """Start (no session_id), continue (session_id and input) or resume (session_id, no input).
         The input: prompt (text), token_ids, or messages as (role, content) pairs (chat template).
-        Parameters left None take the gateway's defaults (new session) or the session's (continuation)."""
+        Parameters left None take the gateway's defaults (new session) or the session's (continuation).
+        verification: "token" (the default), "traversal" or "block" (rsd.methods; the verifier applies it)."""
         request = gateway_pb2.GenerateRequest(session_id=session_id, request_id=request_id)
         if sum(x is not None for x in (prompt, token_ids, messages)) > 1:
             raise ValueError("give one of prompt, token_ids and messages")
@@ -112,7 +114,7 @@ class RsdClient:
             request.messages.messages.extend(gateway_pb2.ChatMessage(role=r, content=c) for r, c in messages)
         if resume_from_position is not None:
             request.resume_from_position = resume_from_position
-        params = build_params(method, shape, temperature, top_k, top_p, max_new_tokens, stop, seed)
+        params = build_params(method, shape, temperature, top_k, top_p, max_new_tokens, stop, seed, verification)
         if params is not None:
             request.params.CopyFrom(params)
         return Generation(self._stub.Generate(request, timeout=self.timeout_s, metadata=self._metadata))
@@ -135,6 +137,7 @@ def build_params(
     max_new_tokens: int = 0,
     stop: Sequence[str] = (),
     seed: int | None = None,
+    verification: str | None = None,
 ) -> common_pb2.GenerationParams | None:
     """GenerationParams with only the given fields present (None when nothing is given)."""
     params = common_pb2.GenerationParams(max_new_tokens=max_new_tokens, stop_sequences=list(stop))
@@ -148,5 +151,6 @@ def build_params(
         params.method.name, params.method.shape = method or "", shape or ""
     if seed is not None:
         params.seed = seed
+    params.verification = verification or ""
     given = params.HasField("sampling") or params.HasField("method") or params.HasField("seed")
-    return params if given or max_new_tokens or stop else None
+    return params if given or max_new_tokens or stop or verification else None

@@ -2,9 +2,10 @@
 
 Per session it keeps what verifier.proto asks the verifier to know: the attached epoch, the
 committed sequence (set by Attach, extended by each verdict), the sampling params and acceptance
-rule, the seed (each step's acceptance draws come from StepRandom(seed, Stream.VERIFY, root
-position), as in the in-process SpeculativeGenerator, so a run reproduces it token for token), and
-the last verified step with its verdict for idempotent retries.
+rule (params.verification picks it; each verdict's stats name it), the seed (each step's acceptance
+draws come from StepRandom(seed, Stream.VERIFY, root position), as in the in-process
+SpeculativeGenerator, so a run reproduces it token for token), and the last verified step with its
+verdict for idempotent retries.
 
 Status codes: malformed request or tree -> INVALID_ARGUMENT; session not attached -> NOT_FOUND;
 older epoch, or a tree whose root_position is not the end of the committed sequence ->
@@ -28,7 +29,7 @@ from rsd.sampling import SamplingParams
 from rsd_service.registry import check_id
 from rsd_service.status import RpcError, abort
 from rsd_wire import common_pb2, verifier_pb2, verifier_pb2_grpc
-from rsd_wire.convert import draft_tree_from_proto, generation_params_from_proto, verdict_to_proto
+from rsd_wire.convert import draft_tree_from_proto, generation_params_from_proto, rule_from_proto, verdict_to_proto
 from verifier_service.batcher import Batcher, BatchInfo
 from verifier_service.engine import PoolFullError, UnknownSessionError, VerifierPool, VerifyRequest
 
@@ -95,6 +96,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 f"{len(committed)} committed tokens leave no room for a tree (max_len={self.engine.max_len})",
             )
         params, method, seed = generation_params_from_proto(request.params)
+        rule = rule_from_proto(request.params, params, method)  # params.verification
         async with self.batcher.engine_lock:  # the engine is not thread-safe; the batcher's forward holds it
             current = self.sessions.get(sid)
             if current is not None and request.epoch < current.epoch:
@@ -120,7 +122,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 committed=committed,
                 params=params,
                 method=method,
-                rule=method.rule(params.greedy),
+                rule=rule,
                 seed=seed,
                 cached_at_attach=cached,
             )
@@ -228,6 +230,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     forward_ms=info.forward_ms,
                     batch_num_sessions=info.num_sessions,
                     batch_num_nodes=info.num_nodes,
+                    rule=session.rule.name,
                 )
                 reply = verdict_to_proto(
                     verdict, session_id=sid, epoch=session.epoch, root_position=msg.root_position, stats=stats

@@ -711,6 +711,8 @@ def _spec_metrics(steps, depth: int) -> dict:
         "num_accepted_draft_tokens": accepted,
         "num_draft_tokens": drafted,
         "num_spec_tokens": depth,
+        "verification": "token",
+        "acceptance_rule": next(s.verifier.rule for s in steps),
     }
 
 
