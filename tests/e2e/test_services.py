@@ -97,9 +97,9 @@ VERIFICATION_CASES = [
 
 
 def test_every_verification_matches_in_process_generator(models):
-    """Each verification, chosen per request and applied by the verifier (the drafter drafts as ever), all
-    sessions at once through the batching services (rules side by side in packed forwards): at T = 0 the
-    target's greedy output whatever the rule; at T = 1 SpeculativeGenerator's tokens with the same seed and
+    """Each verification, chosen per request and applied by the verifier (the drafter drafts, and pre-drafts, as
+    ever), all sessions at once through the batching services (rules side by side in packed forwards): at T = 0
+    the target's greedy output whatever the rule; at T = 1 SpeculativeGenerator's tokens with the same seed and
     verification, token for token. Every verdict's stats name the rule that ran."""
     greedy = SpeculativeGenerator(ModelRunner(models[1], MAX_LEN)).generate(PROMPT, None, SamplingParams(0), NEW_TOKENS)
     jobs = []
