@@ -34,6 +34,7 @@ from rsd_wire.convert import (
     method_from_proto,
     method_shape,
     method_to_proto,
+    rule_from_proto,
     sampling_params_from_proto,
     sampling_params_to_proto,
     tensor_from_proto,
@@ -404,3 +405,23 @@ def test_grpc_options_carry_messages_over_the_default_limit():
     finally:
         server.stop(grace=None)
     assert [(v.session_id, v.next_token_id) for v in verdicts] == [("s1", 4 * vocab_size)]
+
+
+def test_rule_from_proto_names_params_verification():
+    """ "" is the method's own rule; each value maps to the rule Method.rule gives; a value that is unknown (quoted
+    cut to 64 characters) or not exact for the method is a ValueError naming params.verification."""
+    tree, chain = Method.parse("specinfer", "2,2"), Method.parse("sd", "3")
+    hot, cold = SamplingParams(1.0), SamplingParams(0.0)
+
+    def rule(method, sampling, verification):
+        return rule_from_proto(common_pb2.GenerationParams(verification=verification), sampling, method)
+
+    assert rule(tree, hot, "") is rule(tree, hot, "token") is RULES["rrs_with_replacement"]
+    assert rule(tree, hot, "traversal") is RULES["traversal_with_replacement"]
+    assert rule(chain, hot, "block") is RULES["block"] and rule(chain, cold, "block") is RULES["greedy"]
+    with pytest.raises(ValueError, match=r"^params\.verification: unknown verification 'xxxx") as info:
+        rule(tree, hot, "x" * 10_000)
+    assert len(str(info.value)) < 200
+    for sampling in (hot, cold):  # not exact at any temperature: refused at T = 0 too
+        with pytest.raises(ValueError, match=r"^params\.verification: block verification is exact for one chain"):
+            rule(tree, sampling, "block")
