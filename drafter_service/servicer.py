@@ -19,7 +19,7 @@ from drafter_service.engine import DrafterPool, RunJob
 from rsd_service.registry import ID_PATTERN, check_id
 from rsd_service.status import abort
 from rsd_wire import drafter_pb2, drafter_pb2_grpc
-from rsd_wire.convert import generation_params_from_proto, num_top_logprobs, token_logprobs_to_proto
+from rsd_wire.convert import generation_params_from_proto, num_top_logprobs, rule_from_proto, token_logprobs_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         sampling, method, seed = generation_params_from_proto(params)
         sampling.check_vocab(vocab)
         top_logprobs = num_top_logprobs(params)
+        rule_from_proto(params, sampling, method)  # only the verifier applies it; a bad one is refused here already
         config = self.engine.config
         nodes = method.max_draft_tokens + 1
         if nodes > config.max_tree_nodes:

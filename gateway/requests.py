@@ -17,7 +17,7 @@ from rsd.methods import DEFAULT_SHAPES
 from rsd.sampling import SamplingParams
 from rsd_service.registry import ServiceInfo, check_id
 from rsd_wire import common_pb2, gateway_pb2
-from rsd_wire.convert import parse_method
+from rsd_wire.convert import parse_method, rule_from_proto
 
 MAX_REQUEST_ID = 128
 MAX_STOP_CHARS = 256
@@ -105,6 +105,7 @@ def default_params(config: GatewayConfig) -> dict[str, Any]:
         "logit_bias": [],  # [[token id, bias], ...] in increasing id (JSON has no int keys)
         "logprobs": False,
         "top_logprobs": 0,
+        "verification": "token",
     }
 
 
@@ -135,6 +136,8 @@ def merge_params(base: Mapping[str, Any], msg: common_pb2.GenerationParams | Non
         params["stop_sequences"] = list(msg.stop_sequences)
     if msg.HasField("seed"):
         params["seed"] = msg.seed
+    if msg.verification:
+        params["verification"] = msg.verification
     return params
 
 
@@ -146,7 +149,8 @@ def sampling_params(params: Mapping[str, Any]) -> SamplingParams:
 
 def validate_params(params: Mapping[str, Any], config: GatewayConfig, vocab_size: int) -> None:
     try:
-        sampling_params(params).check_vocab(vocab_size)
+        sampling = sampling_params(params)
+        sampling.check_vocab(vocab_size)
     except ValueError as e:
         raise RequestError(f"params.sampling: {e}", "params.sampling") from None
     if params.get("top_logprobs", 0) and not params.get("logprobs"):
@@ -155,9 +159,13 @@ def validate_params(params: Mapping[str, Any], config: GatewayConfig, vocab_size
         message = f"params.top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got {params['top_logprobs']}"
         raise RequestError(message, "params.top_logprobs")
     try:
-        parse_method(params["method"], params["shape"])
+        method = parse_method(params["method"], params["shape"])
     except ValueError as e:
         raise RequestError(f"params.method: {e}", "params.method") from None
+    try:  # the services would refuse it at the run's start; refused here, before anything is stored
+        rule_from_proto(params_to_proto(params), sampling, method)
+    except ValueError as e:
+        raise RequestError(str(e), "params.verification") from None
     if not 1 <= params["max_new_tokens"] <= config.max_new_tokens_limit:
         raise RequestError(
             f"params.max_new_tokens: must be in [1, {config.max_new_tokens_limit}], got {params['max_new_tokens']}",
@@ -231,6 +239,7 @@ def params_to_proto(params: Mapping[str, Any]) -> common_pb2.GenerationParams:
     )
     if params.get("seed") is not None:
         msg.seed = int(params["seed"])
+    msg.verification = params.get("verification", "token")  # sessions stored before the field: the default
     return msg
 
 

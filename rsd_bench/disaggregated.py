@@ -31,6 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from rsd.methods import VERIFICATIONS, Method
 from rsd_bench.stats import bootstrap_interval
 from rsd_tools.defaults import RESULTS_DIR
 
@@ -49,6 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt-seed", type=int, default=0)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0, help="prompt i runs with seed + i")
+    ap.add_argument(
+        "--verification",
+        default="token",
+        choices=VERIFICATIONS,
+        help="the exact rule the verifier applies to every method (rsd.methods; block: chain shapes only)",
+    )
     ap.add_argument(
         "--predraft", default="on,off", help="pre-drafting settings to run: on, off, on:W (W trees side by side)"
     )
@@ -176,7 +183,8 @@ def service_runs(address: str, prompts: list[list[int]], method: str, shape: str
     from rsd_bench.gateway_runs import gateway_run
 
     opts = argparse.Namespace(method=method, shape=shape, max_new_tokens=args.max_new_tokens, request_timeout_s=3600)
-    return [gateway_run(address, p, opts, t, args.seed + i) for i, p in enumerate(prompts)]
+    verification = args.verification
+    return [gateway_run(address, p, opts, t, args.seed + i, verification=verification) for i, p in enumerate(prompts)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,6 +205,7 @@ def service_row(
         "method": method,
         "shape": shape,
         "temperature": t,
+        "verification": args.verification,
         "pipelined": pipelined,
         "predraft_width": width if pipelined else 0,  # trees pre-drafted side by side (drafter predraft_width)
         "tokens": tokens,
@@ -250,6 +259,11 @@ def main(argv: list[str] | None = None) -> int:
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
     temps = _temperatures(args)
     methods = [m.split(":", 1) for m in args.methods.split(";")]
+    for name, shape in methods:  # refused before anything starts, as the gateway would refuse each run
+        try:
+            Method.parse(name, shape).rule(False, args.verification)
+        except ValueError as e:
+            raise SystemExit(f"error: --verification {args.verification}, {name}:{shape}: {e}") from None
     machine = machine_info()
     log(f"{len(prompts)} prompts x {args.max_new_tokens} tokens, T {temps}, methods {args.methods}")
 
@@ -329,6 +343,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _verification_label(row: dict) -> str:
+    """Rows of the default rule say nothing; another one is named after the shape."""
+    verification = row.get("verification", "token")
+    return "" if verification == "token" else f" ({verification})"
+
+
 def _short(args) -> argparse.Namespace:
     return argparse.Namespace(**{**vars(args), "max_new_tokens": min(8, args.max_new_tokens)})
 
@@ -378,7 +398,7 @@ def markdown(result: dict) -> str:
         split = " / ".join(f"{s[k]:.0f}" if s.get(k) is not None else "-" for k in SPLIT[:-1])
         lo, hi = r["block_efficiency_ci95"]
         lines.append(
-            f"| {r['method']} {r['shape']} | {r['temperature']} | {_predraft_label(r)} | "
+            f"| {r['method']} {r['shape']}{_verification_label(r)} | {r['temperature']} | {_predraft_label(r)} | "
             f"{r['tokens_per_s']:.2f} | {r['speedup_vs_ar_same_core']:.2f} | {r['speedup_vs_ar_whole_machine']:.2f} | "
             f"{r['block_efficiency']:.2f} [{lo:.2f}, {hi:.2f}] | {r['predraft_hit_rate']} | "
             f"{'' if r['matches_ar'] is None else r['matches_ar']} | {split} |"

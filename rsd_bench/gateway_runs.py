@@ -24,7 +24,14 @@ class Run:
 
 
 def gateway_run(
-    address: str, prompt_ids: list[int], args, temperature: float, seed: int, barrier=None, max_new_tokens: int = 0
+    address: str,
+    prompt_ids: list[int],
+    args,
+    temperature: float,
+    seed: int,
+    barrier=None,
+    max_new_tokens: int = 0,
+    verification: str | None = None,
 ) -> Run:
     from rsd_service.client import RsdClient
 
@@ -39,6 +46,7 @@ def gateway_run(
             temperature=temperature,
             max_new_tokens=max_new_tokens or args.max_new_tokens,
             seed=seed,
+            verification=verification,
         )
         arrivals, delta_tokens = [], []
         for delta in gen:

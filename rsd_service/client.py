@@ -95,6 +95,7 @@ class RsdClient:
         max_new_tokens: int = 0,
         stop: Sequence[str] = (),
         seed: int | None = None,
+        verification: str | None = None,
         resume_from_position: int | None = None,
         request_id: str = "",
         logit_bias: Mapping[int, float] | None = None,
@@ -103,7 +104,8 @@ class RsdClient:
         """Start (no session_id), continue (session_id and input) or resume (session_id, no input).
         The input: prompt (text), token_ids, or messages as (role, content) pairs (chat template).
         Parameters left None take the gateway's defaults (new session) or the session's (continuation).
-        top_logprobs (0..20): each TokenDelta carries its tokens' logprobs with that many top tokens each."""
+        top_logprobs (0..20): each TokenDelta carries its tokens' logprobs with that many top tokens each.
+        verification: "token" (the default), "traversal" or "block" (rsd.methods; the verifier applies it)."""
         request = gateway_pb2.GenerateRequest(session_id=session_id, request_id=request_id)
         if sum(x is not None for x in (prompt, token_ids, messages)) > 1:
             raise ValueError("give one of prompt, token_ids and messages")
@@ -116,7 +118,7 @@ class RsdClient:
         if resume_from_position is not None:
             request.resume_from_position = resume_from_position
         params = build_params(
-            method, shape, temperature, top_k, top_p, max_new_tokens, stop, seed, logit_bias, top_logprobs
+            method, shape, temperature, top_k, top_p, max_new_tokens, stop, seed, logit_bias, top_logprobs, verification
         )
         if params is not None:
             request.params.CopyFrom(params)
@@ -142,6 +144,7 @@ def build_params(
     seed: int | None = None,
     logit_bias: Mapping[int, float] | None = None,
     top_logprobs: int | None = None,
+    verification: str | None = None,
 ) -> common_pb2.GenerationParams | None:
     """GenerationParams with only the given fields present (None when nothing is given). top_logprobs given:
     logprobs on, with that many top tokens."""
@@ -159,5 +162,6 @@ def build_params(
         params.method.name, params.method.shape = method or "", shape or ""
     if seed is not None:
         params.seed = seed
+    params.verification = verification or ""
     given = params.HasField("sampling") or params.HasField("method") or params.HasField("seed") or params.logprobs
-    return params if given or max_new_tokens or stop else None
+    return params if given or max_new_tokens or stop or verification else None

@@ -2,6 +2,7 @@
 
     rsd generate [--tiny | --draft DIR --target DIR] --method rsd_s --shape 3x4 --prompt "def f(x):"
     rsd generate --server 127.0.0.1:7000 --prompt "def f(x):"   # through a running gateway
+    rsd generate --tiny --method sd --temperature 1 --verification block   # another exact rule (rsd.methods)
     rsd cluster [--tiny] [--keep-running]   # start redis, verifier, drafter, gateway as processes
     rsd cluster --tiny --verifiers 2 --secure --keep-running   # any size, secured, restarting the dead
     rsd provision                       # fetch and hash-check the real Qwen2.5-Coder pair (GGUF)
@@ -20,6 +21,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from rsd.methods import VERIFICATIONS
 from rsd_runtime import DTYPE_NAMES, QUANTIZE_MODES
 from rsd_service.placement import add_placement_flags
 from rsd_tools.defaults import CODE_PROMPT, DEFAULT_METHOD, DEFAULT_SHAPES
@@ -34,6 +36,13 @@ def _add_generate(sub) -> None:
     p.add_argument("--prompt", default=CODE_PROMPT)
     p.add_argument("--method", default=DEFAULT_METHOD, choices=["ar", *DEFAULT_SHAPES])
     p.add_argument("--shape", default=None, help="tree shape: sd '4'; specinfer/rsd_c '2,2,2'; spectr/rsd_s '3x4'")
+    p.add_argument(
+        "--verification",
+        default="token",
+        choices=VERIFICATIONS,
+        help="the exact rule that verifies the trees at T > 0: token (the method's own), traversal (whole paths), "
+        "block (chain shapes only); refused where not exact for the method",
+    )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -128,6 +137,7 @@ def generate_remote(args) -> int:
             max_new_tokens=args.max_new_tokens,
             stop=args.stop,
             seed=args.seed,
+            verification=args.verification,
         )
         t0 = time.perf_counter()
         try:
@@ -171,6 +181,8 @@ def generate(args) -> int:
     try:
         params = SamplingParams(args.temperature, args.top_k, args.top_p)
         method = None if args.method == "ar" else Method.parse(args.method, args.shape or DEFAULT_SHAPES[args.method])
+        if method is not None:
+            method.rule(params.greedy, args.verification)  # refused before the models load
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     draft_dir, target_dir = model_dirs(args.draft, args.target, args.cache_dir, args.tiny)
@@ -206,12 +218,12 @@ def generate(args) -> int:
         gen = SpeculativeGenerator(target, draft, args.draft_top_k, args.draft_top_p)
     prompt_ids = tokenizer.encode(args.prompt)
     eos = tuple(i for i in [tokenizer.eos_token_id] if i is not None)
-    out = gen.generate(prompt_ids, method, params, args.max_new_tokens, eos, args.seed)
+    out = gen.generate(prompt_ids, method, params, args.max_new_tokens, eos, args.seed, args.verification)
     s = out.stats
     print(args.prompt + tokenizer.decode(out.token_ids))
     shape = "" if method is None else f" {args.shape or DEFAULT_SHAPES[args.method]}"
     print(
-        f"\n[{s.method}{shape} T={params.temperature}] {s.new_tokens} tokens in {s.total_s:.2f} s "
+        f"\n[{s.method}{shape} T={params.temperature} rule={s.rule or '-'}] {s.new_tokens} tokens in {s.total_s:.2f} s "
         f"({s.tokens_per_s:.2f} tok/s); {s.target_calls} target calls, block efficiency {s.block_efficiency:.2f}; "
         f"draft {s.draft_s:.2f} s ({s.draft_forwards} forwards), verify {s.verify_s:.2f} s; "
         f"acceptance by depth {[round(a, 2) for a in s.acceptance_by_depth]}",

@@ -205,6 +205,8 @@ def print_stats(gen, wall_s: float) -> None:
     f = gen.finished
     params = gen.started.params if gen.started is not None else None
     where = f"{params.method.name} {params.method.shape} T={params.sampling.temperature:g}" if params else ""
+    rule = next((s.verifier.rule for s in reversed(gen.steps) if s.verifier.rule), "")
+    where += f" verification={params.verification or 'token'} rule={rule or '-'}" if params else ""
     if f is None:
         print(f"\n[{where}] stream ended without a finish event", file=sys.stderr)
         return

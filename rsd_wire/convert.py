@@ -27,9 +27,9 @@ import sys
 import torch
 from torch import Tensor
 
-from rsd.acceptance import Verdict
+from rsd.acceptance import Rule, Verdict
 from rsd.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
-from rsd.methods import Method
+from rsd.methods import VERIFICATIONS, Method
 from rsd.sampling import SamplingParams, nonzero_ids
 from rsd.tree import DraftTree, validate_draft_tree, validate_tree
 from rsd_wire import common_pb2, verifier_pb2
@@ -368,3 +368,18 @@ def generation_params_from_proto(msg: common_pb2.GenerationParams) -> tuple[Samp
     if not msg.HasField("seed"):
         raise ValueError("params.seed is required (the gateway picks one when the client does not)")
     return sampling, method, msg.seed
+
+
+def rule_from_proto(msg: common_pb2.GenerationParams, sampling: SamplingParams, method: Method) -> Rule:
+    """The acceptance rule params.verification ("" = "token") picks for the method at this temperature;
+    ValueError naming params.verification when the value is unknown or not exact for the method."""
+    verification = msg.verification or "token"
+    if verification not in VERIFICATIONS:  # checked here first: the message quotes at most 64 characters
+        raise ValueError(
+            f"params.verification: unknown verification {verification[:64]!r}; expected one of "
+            f"{', '.join(VERIFICATIONS)}"
+        )
+    try:
+        return method.rule(sampling.greedy, verification)
+    except ValueError as e:
+        raise ValueError(f"params.verification: {e}") from None

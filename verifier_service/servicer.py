@@ -2,10 +2,11 @@
 
 Per session it keeps what verifier.proto asks the verifier to know: the attached epoch, the
 committed sequence (set by Attach, extended by each verdict), the sampling params and acceptance
-rule, the seed (each step's acceptance draws come from StepRandom(seed, Stream.VERIFY, root
-position), as in the in-process SpeculativeGenerator, so a run reproduces it token for token), and
-the last verified step with its verdict for idempotent retries, and whether its verdicts carry the emitted
-tokens' log-probabilities (params.logprobs, params.top_logprobs).
+rule (params.verification picks it; each verdict's stats name it), the seed (each step's acceptance
+draws come from StepRandom(seed, Stream.VERIFY, root position), as in the in-process
+SpeculativeGenerator, so a run reproduces it token for token), the last verified step with its
+verdict for idempotent retries, and whether its verdicts carry the emitted tokens' log-probabilities
+(params.logprobs, params.top_logprobs).
 
 Status codes: malformed request or tree -> INVALID_ARGUMENT; session not attached -> NOT_FOUND;
 older epoch, or a tree whose root_position is not the end of the committed sequence ->
@@ -33,6 +34,7 @@ from rsd_wire.convert import (
     draft_tree_from_proto,
     generation_params_from_proto,
     num_top_logprobs,
+    rule_from_proto,
     token_logprobs_to_proto,
     verdict_to_proto,
 )
@@ -105,6 +107,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         params, method, seed = generation_params_from_proto(request.params)
         top_logprobs = num_top_logprobs(request.params)
         params.check_vocab(vocab)
+        rule = rule_from_proto(request.params, params, method)  # params.verification
         async with self.batcher.engine_lock:  # the engine is not thread-safe; the batcher's forward holds it
             current = self.sessions.get(sid)
             if current is not None and request.epoch < current.epoch:
@@ -130,7 +133,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 committed=committed,
                 params=params,
                 method=method,
-                rule=method.rule(params.greedy),
+                rule=rule,
                 seed=seed,
                 cached_at_attach=cached,
                 num_top_logprobs=top_logprobs,
@@ -241,6 +244,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     forward_ms=info.forward_ms,
                     batch_num_sessions=info.num_sessions,
                     batch_num_nodes=info.num_nodes,
+                    rule=session.rule.name,
                 )
                 reply = verdict_to_proto(
                     verdict, session_id=sid, epoch=session.epoch, root_position=msg.root_position, stats=stats

@@ -129,6 +129,7 @@ _PUBLIC = {
     "params.max_new_tokens": "max_tokens",
     "params.method": "method",
     "params.stop_sequences": "stop",
+    "params.verification": "verification",
     "session_id": "session_id",
 }
 

@@ -12,7 +12,8 @@ its events by `Reply`. What is supported of OpenAI's API:
                       content: a string or text parts, required; name: passed to the chat template),
                       max_completion_tokens, logprobs, top_logprobs (0..20, with logprobs)
     rsd's own (extra body fields): method, shape, top_k, session_id (continue that session: its
-    committed tokens, then this request's prompt or messages)
+    committed tokens, then this request's prompt or messages), verification ("token", "traversal",
+    "block": the exact rule that verifies the trees, rsd.methods)
     /tokenize, /detokenize  vLLM's bodies (TokenizeCompletionRequest / TokenizeChatRequest, DetokenizeRequest)
 A null is the field's default, as OpenAI and vLLM read it. Anything else is refused (400), never silently ignored:
 a field that changes sampling must not be dropped.
@@ -81,7 +82,8 @@ class _GenerateBody(_Body):
     shape: str | None = None
     top_k: int | None = Field(None, ge=0)
     session_id: str | None = None
-    logit_bias: dict[str, float] | None = None
+    verification: str | None = None  # "token", "traversal" or "block"; the gateway checks it (params.verification)
+    logit_bias: dict[str, float] | None = None  # OpenAI's
 
     @field_validator("logit_bias")
     @classmethod
@@ -161,6 +163,7 @@ class _GenerateBody(_Body):
             self.seed,
             bias,
             self.num_top_logprobs,
+            verification=self.verification,
         )
         if params is not None:
             request.params.CopyFrom(params)
@@ -340,9 +343,13 @@ class SpecDecodeMetrics:
         mean_acceptance_length     tokens per step: 1 (the correction or bonus token) + accepted / steps
         num_spec_tokens            the tree's depth L: the most draft tokens one step can accept
         acceptance_histogram       [L + 1]: [j] = the steps that accepted exactly j draft tokens
-    Field names and meanings: vLLM PR 48915 (vllm-project/vllm), whose chains make num_draft_tokens = k * steps."""
+    Field names and meanings: vLLM PR 48915 (vllm-project/vllm), whose chains make num_draft_tokens = k * steps.
+    rsd's own: verification (the turn's params.verification) and acceptance_rule (the rule that judged the
+    trees, as the verifier's StepStats name it: e.g. "traversal_with_replacement", or "greedy" at T = 0)."""
 
     depth: int
+    verification: str = ""
+    rule: str = ""
     num_steps: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
@@ -351,7 +358,7 @@ class SpecDecodeMetrics:
     @classmethod
     def of(cls, params: common_pb2.GenerationParams) -> SpecDecodeMetrics:
         depth = parse_method(params.method.name, params.method.shape).depth if params.method.name else 0
-        return cls(depth, histogram=[0] * (depth + 1))
+        return cls(depth, params.verification or "token", histogram=[0] * (depth + 1))
 
     def observe(self, stats: common_pb2.StepStats) -> None:
         self.num_steps += 1
@@ -359,6 +366,7 @@ class SpecDecodeMetrics:
         self.num_accepted_tokens += stats.num_accepted_tokens
         self.histogram.extend([0] * (stats.num_accepted_tokens + 1 - len(self.histogram)))
         self.histogram[stats.num_accepted_tokens] += 1
+        self.rule = stats.verifier.rule or self.rule
 
     def body(self) -> dict[str, Any]:
         steps, drafted, accepted = self.num_steps, self.num_draft_tokens, self.num_accepted_tokens
@@ -371,6 +379,8 @@ class SpecDecodeMetrics:
                 "num_accepted_draft_tokens": accepted,
                 "num_draft_tokens": drafted,
                 "num_spec_tokens": self.depth,
+                "verification": self.verification,
+                "acceptance_rule": self.rule,
             }
         }
 

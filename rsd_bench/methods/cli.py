@@ -52,6 +52,7 @@ import platform
 import time
 from pathlib import Path
 
+from rsd.methods import VERIFICATIONS
 from rsd_bench.methods.planning import (
     AR_DTYPES,
     BUDGETS,
@@ -98,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--seed", type=int, default=0, help="prompt i is generated with seed + i by every method")
     ap.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens")
+    ap.add_argument(
+        "--verification",
+        default="token",
+        choices=VERIFICATIONS,
+        help="the exact rule every speculative method verifies with (rsd.methods; block: chain shapes only)",
+    )
     ap.add_argument("--draft", type=Path, help="draft model folder (default: the provisioned Qwen pair)")
     ap.add_argument("--target", type=Path, help="target model folder, same tokenizer as the draft")
     ap.add_argument("--cache-dir", type=Path, default=None, help="model cache for the provisioned pair")

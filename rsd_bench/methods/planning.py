@@ -173,6 +173,7 @@ class Plan:
     draft_dtype: str
     num_prompts: int
     max_new_tokens: int
+    verification: str = "token"  # every speculative spec's (rsd.methods.Method.rule)
 
 
 def _insert_ar(specs: list[Spec], where: dict[str, list], shape: str) -> None:
@@ -215,6 +216,12 @@ def make_plan(args: argparse.Namespace) -> Plan:
             where[variant.label] = where.get(spec.label, [("custom", None)])
     if len({s.label for s in specs}) != len(specs):
         raise ValueError("a method is listed twice")
+    verification = getattr(args, "verification", "token")
+    for spec in speculative:
+        try:
+            spec.method().rule(False, verification)
+        except ValueError as e:
+            raise ValueError(f"--verification {verification}: {spec.label}: {e}") from None
     return Plan(
         specs,
         where,
@@ -225,4 +232,5 @@ def make_plan(args: argparse.Namespace) -> Plan:
         draft_dtype,
         num_prompts=args.num_prompts or (QUICK_NUM_PROMPTS if args.quick else NUM_PROMPTS),
         max_new_tokens=args.max_new_tokens or (QUICK_MAX_NEW_TOKENS if args.quick else MAX_NEW_TOKENS),
+        verification=verification,
     )

@@ -165,9 +165,8 @@ class BenchRun:
                 set_small_batch_rows(self.models.target_model, 0)
             t0 = time.perf_counter()
             try:
-                res = gen.generate(
-                    ids, self.methods[spec.label], SamplingParams(temperature=temperature), max_new, self.eos, seed
-                )
+                params, verification = SamplingParams(temperature=temperature), self.plan.verification
+                res = gen.generate(ids, self.methods[spec.label], params, max_new, self.eos, seed, verification)
             finally:
                 t_end = time.perf_counter()
                 if spec.shape == "plain":
@@ -209,6 +208,7 @@ class BenchRun:
         for row, (spec, _) in zip(rows, ran, strict=True):
             if spec.method() is not None:
                 row["draft_quantize"] = quantized.get(spec.draft or plan.quantize_modes[0])
+                row["verification"] = plan.verification
         finish_rows(rows)
         return place_rows(rows, plan.where)
 

@@ -166,6 +166,7 @@ def make_row(
         "temperature": temperature,
         "shape": spec.shape or None,
         "draft_quantize": None,  # speculative rows: the drafter's quantisation (set in main)
+        "verification": None,  # speculative rows: the rule's choice, rsd.methods (set in main)
         "depth": method.depth if method else (0 if spec.name == "ar" else None),
         "nodes": method.max_draft_tokens if method else (0 if spec.name == "ar" else None),
         "prompts": len(outputs),

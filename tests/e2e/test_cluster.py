@@ -82,6 +82,12 @@ def test_cli_generate_with_server(cluster, capsys):
     bad = ["generate", "--server", started.gateway_address, "--prompt", "w7", "--method", "sd", "--shape", "x"]
     assert cli.main(bad) == 1
     assert "INVALID_ARGUMENT" in capsys.readouterr().err
+    chosen = ["generate", "--server", started.gateway_address, "--prompt", "w7", "--max-new-tokens", "4"]
+    chosen += ["--method", "sd", "--shape", "3", "--temperature", "1", "--verification", "block"]
+    assert cli.main(chosen) == 0
+    assert "verification=block rule=block" in capsys.readouterr().err  # the verifier's stats name the rule
+    assert cli.main([*chosen[:-7], "rsd_c", "--shape", "2,1", "--temperature", "1", "--verification", "block"]) == 1
+    assert "INVALID_ARGUMENT: params.verification" in capsys.readouterr().err
 
 
 def test_openai_api_of_the_cluster(cluster):

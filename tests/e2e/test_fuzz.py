@@ -282,6 +282,8 @@ def gen_params(draw) -> common_pb2.GenerationParams | None:
         params.method.CopyFrom(draw(methods))
     if draw(st.booleans()):
         params.seed = draw(st.integers(0, 2**64 - 1))
+    if draw(st.booleans()):
+        params.verification = draw(st.one_of(st.sampled_from(["token", "traversal", "block", "Token"]), st.text()))
     return params
 
 

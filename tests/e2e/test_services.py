@@ -83,6 +83,45 @@ def test_every_method_matches_in_process_generator(models):
     asyncio.run(main())
 
 
+# The verification each request picks (GenerationParams.verification) -> the rule the verifier runs at T > 0.
+VERIFICATION_CASES = [
+    ("sd", "3", "", "rrs"),  # "" = token
+    ("sd", "3", "traversal", "traversal"),
+    ("sd", "3", "block", "block"),
+    ("rsd_s", "1x4", "block", "block"),  # one beam: a chain
+    ("specinfer", "2,2", "traversal", "traversal_with_replacement"),
+    ("spectr", "2x3", "traversal", "traversal_with_replacement"),
+    ("rsd_c", "2,2,1", "traversal", "traversal"),
+    ("rsd_s", "3x3", "traversal", "traversal"),
+]
+
+
+def test_every_verification_matches_in_process_generator(models):
+    """Each verification, chosen per request and applied by the verifier (the drafter drafts, and pre-drafts, as
+    ever), all sessions at once through the batching services (rules side by side in packed forwards): at T = 0
+    the target's greedy output whatever the rule; at T = 1 SpeculativeGenerator's tokens with the same seed and
+    verification, token for token. Every verdict's stats name the rule that ran."""
+    greedy = SpeculativeGenerator(ModelRunner(models[1], MAX_LEN)).generate(PROMPT, None, SamplingParams(0), NEW_TOKENS)
+    jobs = []
+    for i, (name, shape, verification, rule) in enumerate(VERIFICATION_CASES):
+        params = gen_params(name, shape, 0.0, i, verification=verification)
+        jobs.append((f"greedy-{i}", params, greedy.token_ids, "greedy"))
+        method, seed = Method.parse(name, shape), 200 + i
+        expected = reference(models, PROMPT, method, SamplingParams(1.0), seed, verification=verification or "token")
+        jobs.append((f"sample-{i}", gen_params(name, shape, 1.0, seed, verification=verification), expected, rule))
+
+    async def main():
+        n = len(jobs)
+        async with services(models, {"num_slots": n, "batch_wait_ms": 20.0}, {"max_sessions": n}) as (vh, _, stub, _):
+            outs = await asyncio.gather(*(run(stub, vh, sid, params) for sid, params, _, _ in jobs))
+        for (sid, _, expected, rule), (tokens, events) in zip(jobs, outs, strict=True):
+            assert tokens == expected, sid
+            assert {e.stats.verifier.rule for e in events} == {rule}, sid
+        assert max(e.stats.verifier.batch_num_sessions for _, events in outs for e in events) > 1
+
+    asyncio.run(main())
+
+
 # ---------------------------------------------------------------------------------------------
 # 2. several sessions at once, packed into shared forwards
 
@@ -224,6 +263,11 @@ def test_bad_input_gets_a_status_and_harms_no_one(models):
         await expect_status(precondition, vstub.Attach(older))
         no_seed = verifier_pb2.AttachRequest(session_id="x", epoch=1, committed_token_ids=PROMPT)
         await expect_status(invalid, vstub.Attach(no_seed))
+        for verification, reason in [("bogus" * 100, "unknown verification"), ("block", "one chain only")]:
+            params = gen_params("rsd_c", "2,2,1", 0.9, seed=5, verification=verification)
+            bad_rule = verifier_pb2.AttachRequest(session_id="y", epoch=1, committed_token_ids=PROMPT, params=params)
+            details = await expect_status(invalid, vstub.Attach(bad_rule))
+            assert details.startswith("params.verification") and reason in details and len(details) < 200
         # After all that, the session still verifies a good tree.
         assert (await verify_once(vstub, tree_msg())).root_position == 4
 
@@ -238,6 +282,8 @@ def test_bad_input_gets_a_status_and_harms_no_one(models):
             {"params": gen_params("rsd_c", "0,2", 0.5, seed=1)},
             {"params": common_pb2.GenerationParams(method=good.method)},  # no seed
             {"params": gen_params("sd", "3", -1.0, seed=1)},
+            {"params": gen_params("sd", "3", 1.0, seed=1, verification="Token")},  # the drafter refuses it too
+            {"params": gen_params("spectr", "2x3", 1.0, seed=1, verification="block")},
             {"verifier_address": ""},
             {"max_new_tokens": MAX_LEN},
         ]

@@ -24,7 +24,7 @@ from drafter_service.config import DrafterConfig
 from drafter_service.server import create_server as create_drafter
 from gateway.config import GatewayConfig, parse_services
 from gateway.errors import RequestError
-from gateway.requests import default_params, finish_reason_name, merge_params, validate_params
+from gateway.requests import default_params, finish_reason_name, merge_params, params_to_proto, validate_params
 from gateway.server import create_server
 from gateway.store.memory_store import MemorySessionStore
 from gateway.store.redis_store import RedisSessionStore
@@ -80,7 +80,14 @@ def test_params_merge_and_validate():
     validate_params(biased, config, 64)
     later = merge_params(biased, build_params(seed=1))
     assert later["logit_bias"] == [[3, 2.5], [9, -100.0]] and not later["logprobs"]  # logprobs: the turn's own
+    assert base["verification"] == again["verification"] == "token"
+    chosen = merge_params(again, build_params(verification="block"))  # sd 2: a chain
+    validate_params(chosen, config, 64)
+    assert merge_params(chosen, build_params(seed=3))["verification"] == "block"  # "" keeps the session's
+    assert params_to_proto({k: v for k, v in chosen.items() if k != "verification"}).verification == "token"
     for change, reason in [
+        ({"verification": "bogus"}, "params.verification: unknown verification 'bogus'"),
+        ({"method": "rsd_c", "shape": "2,1", "verification": "block"}, "params.verification: block .* one chain"),
         ({"temperature": -1.0}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"method": "beam"}, "unknown method"),
@@ -183,6 +190,8 @@ def test_each_bad_field_is_invalid_argument_with_its_reason(loop, pair):
         ({"prompt": PROMPT, "method": "rsd_s", "shape": "3,4"}, "bad shape"),
         ({"prompt": PROMPT, "max_new_tokens": 65}, "max_new_tokens"),
         ({"prompt": PROMPT, "stop": ["x"] * 9}, "stop_sequences"),
+        ({"prompt": PROMPT, "verification": "bogus"}, "params.verification: unknown verification"),
+        ({"prompt": PROMPT, "method": "spectr", "verification": "block"}, "params.verification: block verification"),
         ({"prompt": PROMPT, "resume_from_position": 0}, "resume_from_position"),
         ({"prompt": PROMPT, "request_id": "r" * 129}, "request_id"),
     ]
@@ -494,6 +503,31 @@ def test_real_services_greedy_equals_in_process(real_stack, pair, method, shape)
         gen = client.generate(PROMPT, method=method, shape=shape, max_new_tokens=24, **greedy()).wait()
     assert gen.token_ids == reference(pair, prompt_ids, method, shape)
     assert gen.finished.num_steps >= 1
+
+
+def test_real_services_apply_and_record_the_verification(real_stack, pair):
+    """GenerateRequest params.verification reaches the verifier: at T = 0 every rule gives the target's greedy
+    output; a seeded T = 1 turn with traversal equals the in-process generator's with that seed and rule. The
+    started event echoes the verification, each step's stats name the rule, and a continuation keeps it."""
+    draft_model, target_model, tokenizer = pair
+    prompt_ids = tokenizer.encode(PROMPT, add_special_tokens=False)
+    gen = SpeculativeGenerator(ModelRunner(target_model, 512), ModelRunner(draft_model, 512), draft_top_k=256)
+    method = Method.parse("rsd_c", "2,2,1")
+    expected = gen.generate(prompt_ids, method, SamplingParams(1.0), 24, (EOS,), 11, "traversal").token_ids
+    with real_stack.client() as client:
+        for name, shape, verification in [("sd", "3", "block"), ("rsd_c", "2,2,1", "traversal")]:
+            greedy_run = client.generate(
+                PROMPT, method=name, shape=shape, max_new_tokens=24, verification=verification, **greedy()
+            ).wait()
+            assert greedy_run.token_ids == reference(pair, prompt_ids, name, shape), verification
+            assert {s.verifier.rule for s in greedy_run.steps} == {"greedy"}
+        sampled = client.generate(
+            PROMPT, method="rsd_c", shape="2,2,1", temperature=1.0, seed=11, max_new_tokens=24, verification="traversal"
+        ).wait()
+        more = client.generate(" w5", session_id=sampled.session_id, max_new_tokens=4).wait()
+    assert sampled.token_ids == expected
+    assert sampled.started.params.verification == more.started.params.verification == "traversal"
+    assert {s.verifier.rule for s in sampled.steps + more.steps} == {"traversal"}
 
 
 def test_real_services_concurrent_sessions(real_stack, pair):

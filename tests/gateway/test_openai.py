@@ -223,6 +223,29 @@ def test_completion_equals_grpc_and_is_reproducible(gw, stream):
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_verification_extra_field_equals_grpc(gw, stream):
+    """The extra body field `verification` (the openai client's extra_body) picks the rule as params.verification
+    does over gRPC: a seeded T = 1 traversal completion equals the gRPC turn (which the gateway tests tie to the
+    in-process generator), T = 0 block verification the greedy output; the metrics say which rule ran."""
+    client = gw.openai()
+    sampled = {"method": "rsd_c", "shape": "2,2,1", "verification": "traversal"}
+    kwargs = {"prompt": PROMPT, "max_tokens": 16, "temperature": 1.0, "seed": 13}
+    text, *_ = _completion_text(client, stream, extra_body=sampled, **kwargs)
+    whole = client.completions.create(model=MODEL, extra_body=sampled, **kwargs)
+    block = {"method": "sd", "shape": "3", "verification": "block"}
+    greedy_text, *_ = _completion_text(client, stream, extra_body=block, prompt=PROMPT, max_tokens=16, temperature=0)
+    with gw.grpc() as grpc_client:
+        ref = grpc_client.generate(PROMPT, temperature=1.0, seed=13, max_new_tokens=16, **sampled).wait()
+        plain = grpc_client.generate(PROMPT, temperature=0.0, max_new_tokens=16, method="sd", shape="3").wait()
+    assert text == whole.choices[0].text == ref.text and greedy_text == plain.text
+    spec = whole.model_extra["metrics"]["speculative_decoding"]
+    assert (spec["verification"], spec["acceptance_rule"]) == ("traversal", "traversal")
+    with pytest.raises(openai.BadRequestError) as info:  # spectr drafts trees: block is not exact for it
+        client.completions.create(model=MODEL, prompt=PROMPT, extra_body={"method": "spectr", "verification": "block"})
+    assert info.value.param == "verification" and "one chain only" in info.value.message
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_chat_completion_equals_grpc_chat(gw, tiny_tokenizer, stream):
     messages = [{"role": r, "content": c} for r, c in CHAT]
     kwargs = {"model": MODEL, "messages": messages, "max_completion_tokens": 12, "temperature": 0.7, "seed": 5}
@@ -301,6 +324,8 @@ def test_auth_failures_are_401(gw):
         ({"bogus": 1}, "bogus", "bogus: Extra inputs are not permitted"),
         ({"model": None}, "model", "model: Field required"),
         ({"method": "beam"}, "method", "method: unknown method"),
+        ({"verification": "bogus"}, "verification", "verification: unknown verification 'bogus'"),
+        ({"verification": "block", "method": "rsd_c"}, "verification", "verification: block verification is exact"),
         ({"session_id": "no-such-session"}, None, "no-such-session"),
     ],
 )
@@ -718,6 +743,8 @@ def _spec_metrics(steps, depth: int) -> dict:
         "num_accepted_draft_tokens": accepted,
         "num_draft_tokens": drafted,
         "num_spec_tokens": depth,
+        "verification": "token",
+        "acceptance_rule": next(s.verifier.rule for s in steps),
     }
 
 

@@ -3,6 +3,8 @@ child processes, the row fields the issue asks for, and greedy output equal to t
 
 import json
 
+import pytest
+
 from rsd_bench import disaggregated, stats
 
 
@@ -17,6 +19,7 @@ def test_tiny_run_writes_every_field(tmp_path):
     argv += ["--predraft", "on:2", "--cache-dir", str(tmp_path / "cache"), "--out-dir", str(tmp_path), "--name", "d"]
     argv += ["--ar-dtypes", "bfloat16"]  # the target alone in float32 (the verifier's) and bfloat16
     argv += ["--drafter-args", "--predraft-outcomes 2"]  # passed to the drafter, recorded
+    argv += ["--verification", "traversal"]  # applied by the verifier (T = 0: greedy all the same), recorded
     assert disaggregated.main(argv) == 0
     result = json.loads((tmp_path / "d.json").read_text())
     assert result["complete"] is True and (tmp_path / "d.md").exists() and (tmp_path / "d-tokens-per-s.png").exists()
@@ -25,6 +28,7 @@ def test_tiny_run_writes_every_field(tmp_path):
     fields |= {"matches_ar", "speedup_vs_ar_same_core", "speedup_vs_ar_whole_machine", "block_efficiency_ci95"}
     assert fields <= set(row)
     assert row["matches_ar"] is True and row["pipelined"] is True  # against the float32 target alone
+    assert row["verification"] == "traversal"
     assert row["predraft_width"] == 2  # two trees pre-drafted side by side
     for ar in result["ar"].values():  # each placement's baseline is its fastest dtype
         by_dtype = ar["tokens_per_s_by_dtype"]
@@ -34,3 +38,5 @@ def test_tiny_run_writes_every_field(tmp_path):
     assert result["drafter_args"] == "--predraft-outcomes 2"
     placement = result["placement"]  # the gateway sits on the drafter's core unless told otherwise
     assert (placement["drafter_cores"], placement["verifier_cores"], placement["gateway_cores"]) == ("0", "1", "0")
+    with pytest.raises(SystemExit, match="block verification is exact for one chain only"):  # before any start
+        disaggregated.main([*argv, "--methods", "rsd_s:3x4", "--verification", "block"])

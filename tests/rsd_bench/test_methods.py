@@ -208,3 +208,24 @@ def test_bench_gives_each_model_its_dtype_and_runs_ar_in_another(tmp_path):
     assert rows[("ar:bfloat16", 0.0)]["matches_ar"] is None  # another target: not compared
     with pytest.raises(SystemExit, match="target's own dtype"):
         bench.main([*argv[:-2], "--ar-dtype", "float32", "--out-dir", str(tmp_path)])
+
+
+def test_bench_runs_and_records_the_verification(tmp_path):
+    """--verification reaches every speculative run and its row (ar's says None); at T = 0 the rows still equal
+    the target's greedy output. A method the rule is not exact for is refused before anything loads."""
+    draft_dir, target_dir = build_tiny_pair(tmp_path / "models", "llama")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "w1 w2 w3 w4"}\n')
+    argv = ["--draft", str(draft_dir), "--target", str(target_dir), "--prompts", str(prompts), "--no-plots"]
+    argv += ["--temperatures", "0,1", "--max-new-tokens", "6", "--ignore-eos", "--cost-reps", "1"]
+    argv += ["--out-dir", str(tmp_path), "--verification", "block"]
+    assert bench.main([*argv, "--config", "ar;sd:3;rsd_s:1x3", "--name", "block"]) == 0
+    rows = {(r["label"], r["temperature"]): r for r in json.loads((tmp_path / "block.json").read_text())["rows"]}
+    assert {label: r["verification"] for (label, _), r in rows.items()} == {
+        "ar": None,
+        "sd:3": "block",
+        "rsd_s:1x3": "block",
+    }
+    assert rows[("sd:3", 0.0)]["matches_ar"] is rows[("rsd_s:1x3", 0.0)]["matches_ar"] is True
+    with pytest.raises(SystemExit, match="--verification block: rsd_c:2,1: block verification is exact for one chain"):
+        bench.main([*argv, "--config", "ar;rsd_c:2,1", "--name", "refused"])

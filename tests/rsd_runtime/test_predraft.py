@@ -145,6 +145,26 @@ def test_pipelined_equals_plain_in_process(pair, name, shape, width):
     assert misses > 0 and hits > 0  # every method pre-drafts a verdict's tree sometimes (rsd_s 3 of these 12 runs)
 
 
+@pytest.mark.parametrize(
+    ("name", "shape", "verification"),
+    [("sd", "3", "traversal"), ("sd", "3", "block"), ("specinfer", "2,2", "traversal"), ("rsd_c", "2,1", "traversal")],
+)
+def test_pipelined_equals_plain_with_every_verification(pair, name, shape, verification):
+    """The rule changes only verification: pre-drafting drafts the same trees for the same verdicts, so a
+    pipelined run equals the plain one token for token whichever exact rule judges the trees."""
+    draft, target = pair
+    plain = SpeculativeGenerator(ModelRunner(target, MAX_LEN), ModelRunner(draft, MAX_LEN))
+    piped = PipelinedGenerator(ModelRunner(target, MAX_LEN), ModelRunner(draft, MAX_LEN), max_outcomes=3)
+    method = Method.parse(name, shape)
+    for seed in range(4):
+        params = SamplingParams(1.0)
+        a = plain.generate(PROMPT, method, params, max_new_tokens=16, seed=seed, verification=verification)
+        b = piped.generate(PROMPT, method, params, max_new_tokens=16, seed=seed, verification=verification)
+        assert b.token_ids == a.token_ids and b.stats.draft_forwards == a.stats.draft_forwards, seed
+        assert b.stats.rule == a.stats.rule == method.rule(False, verification).name
+        assert b.stats.predraft_trees > 0  # it pre-drafted (hits are rare on the tiny pair, whatever the rule)
+
+
 def test_misses_change_nothing_in_process(pair, monkeypatch):
     draft, target = pair
     monkeypatch.setattr(PreDrafter, "rank", _never_right)

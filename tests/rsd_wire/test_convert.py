@@ -36,6 +36,7 @@ from rsd_wire.convert import (
     method_shape,
     method_to_proto,
     num_top_logprobs,
+    rule_from_proto,
     sampling_params_from_proto,
     sampling_params_to_proto,
     tensor_from_proto,
@@ -440,3 +441,23 @@ def test_num_top_logprobs_reads_the_request():
         num_top_logprobs(common_pb2.GenerationParams(logprobs=True, top_logprobs=21))
     with pytest.raises(ValueError, match=r"needs params\.logprobs"):
         num_top_logprobs(common_pb2.GenerationParams(top_logprobs=3))
+
+
+def test_rule_from_proto_names_params_verification():
+    """ "" is the method's own rule; each value maps to the rule Method.rule gives; a value that is unknown (quoted
+    cut to 64 characters) or not exact for the method is a ValueError naming params.verification."""
+    tree, chain = Method.parse("specinfer", "2,2"), Method.parse("sd", "3")
+    hot, cold = SamplingParams(1.0), SamplingParams(0.0)
+
+    def rule(method, sampling, verification):
+        return rule_from_proto(common_pb2.GenerationParams(verification=verification), sampling, method)
+
+    assert rule(tree, hot, "") is rule(tree, hot, "token") is RULES["rrs_with_replacement"]
+    assert rule(tree, hot, "traversal") is RULES["traversal_with_replacement"]
+    assert rule(chain, hot, "block") is RULES["block"] and rule(chain, cold, "block") is RULES["greedy"]
+    with pytest.raises(ValueError, match=r"^params\.verification: unknown verification 'xxxx") as info:
+        rule(tree, hot, "x" * 10_000)
+    assert len(str(info.value)) < 200
+    for sampling in (hot, cold):  # not exact at any temperature: refused at T = 0 too
+        with pytest.raises(ValueError, match=r"^params\.verification: block verification is exact for one chain"):
+            rule(tree, sampling, "block")
