@@ -12,12 +12,11 @@ from gateway.chat import ChatTemplate
 from gateway.config import GatewayConfig
 from gateway.errors import ContextLengthExceeded, RequestError
 from gateway.store.session import SessionRecord, SessionStatus
-from rsd.logprobs import MAX_TOP_LOGPROBS
 from rsd.methods import DEFAULT_SHAPES
 from rsd.sampling import SamplingParams
 from rsd_service.registry import ServiceInfo, check_id
 from rsd_wire import common_pb2, gateway_pb2
-from rsd_wire.convert import parse_method, rule_from_proto
+from rsd_wire.convert import num_top_logprobs, parse_method, rule_from_proto
 
 MAX_REQUEST_ID = 128
 MAX_STOP_CHARS = 256
@@ -153,11 +152,10 @@ def validate_params(params: Mapping[str, Any], config: GatewayConfig, vocab_size
         sampling.check_vocab(vocab_size)
     except ValueError as e:
         raise RequestError(f"params.sampling: {e}", "params.sampling") from None
-    if params.get("top_logprobs", 0) and not params.get("logprobs"):
-        raise RequestError("params.top_logprobs: needs params.logprobs", "params.top_logprobs")
-    if not 0 <= params.get("top_logprobs", 0) <= MAX_TOP_LOGPROBS:
-        message = f"params.top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got {params['top_logprobs']}"
-        raise RequestError(message, "params.top_logprobs")
+    try:  # the one check of logprobs' bounds, the services' own (rsd_wire.convert)
+        num_top_logprobs(params_to_proto(params))
+    except ValueError as e:
+        raise RequestError(str(e), "params.top_logprobs") from None
     try:
         method = parse_method(params["method"], params["shape"])
     except ValueError as e:

@@ -279,10 +279,10 @@ def num_top_logprobs(msg: common_pb2.GenerationParams) -> int | None:
     """What params ask of logprobs: None (none), else the number of top tokens per position (0..20)."""
     if not msg.logprobs:
         if msg.top_logprobs:
-            raise ValueError("params.top_logprobs needs params.logprobs")
+            raise ValueError("params.top_logprobs: needs params.logprobs")
         return None
     if msg.top_logprobs > MAX_TOP_LOGPROBS:
-        raise ValueError(f"params.top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {msg.top_logprobs}")
+        raise ValueError(f"params.top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got {msg.top_logprobs}")
     return msg.top_logprobs
 
 

@@ -437,7 +437,7 @@ def test_num_top_logprobs_reads_the_request():
     assert num_top_logprobs(common_pb2.GenerationParams()) is None
     assert num_top_logprobs(common_pb2.GenerationParams(logprobs=True)) == 0
     assert num_top_logprobs(common_pb2.GenerationParams(logprobs=True, top_logprobs=20)) == 20
-    with pytest.raises(ValueError, match="top_logprobs must be in \\[0, 20\\]"):
+    with pytest.raises(ValueError, match="top_logprobs: must be in \\[0, 20\\]"):
         num_top_logprobs(common_pb2.GenerationParams(logprobs=True, top_logprobs=21))
     with pytest.raises(ValueError, match=r"needs params\.logprobs"):
         num_top_logprobs(common_pb2.GenerationParams(top_logprobs=3))
