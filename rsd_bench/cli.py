@@ -25,6 +25,10 @@ BENCHMARKS = {
         "rsd_bench.disaggregated",
         "the pipeline through the real services (redis, verifier, drafter, gateway) against the target alone",
     ),
+    "net": (
+        "rsd_bench.net",
+        "drafter and verifier across an emulated network (a delay relay): plain vs pre-drafting per delay",
+    ),
     "vs_llamacpp": (
         "rsd_bench.llamacpp",
         "llama.cpp's target alone and speculative mode against rsd's, same GGUF files, prompts and threads",

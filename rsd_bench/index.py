@@ -76,6 +76,14 @@ def _disaggregated(r: dict) -> str:
     return f"{speedup:.2f}x the target alone on the whole machine: {how}, T={best['temperature']:g}"
 
 
+def _net(r: dict) -> str:
+    best = _best([row for row in r["rows"] if row["pipelined"]], "speedup_vs_plain")
+    return (
+        f"pre-drafting {best['speedup_vs_plain']:.2f}x plain at {best['delay_ms']:g} ms one way: "
+        f"{best['method']} {best['shape']}, T={best['temperature']:g}"
+    )
+
+
 def _vs_llamacpp(r: dict) -> str:
     best = _best([row for row in r["rows"] if row["system"] == "rsd"], "vs_llamacpp_target")
     llama = _best([row for row in r["rows"] if row["system"] == "llama.cpp"], "vs_llamacpp_target")
@@ -155,6 +163,7 @@ def _rule_gap(r: dict) -> str:
 HEADLINES: dict[str, Callable[[dict], str]] = {
     "methods": _methods,
     "disaggregated": _disaggregated,
+    "net": _net,
     "vs_llamacpp": _vs_llamacpp,
     "services": _services,
     "forward_cost": _forward_cost,
