@@ -29,6 +29,10 @@ BENCHMARKS = {
         "rsd_bench.net",
         "drafter and verifier across an emulated network (a delay relay): plain vs pre-drafting per delay",
     ),
+    "simulate": (
+        "rsd_bench.simulate",
+        "a discrete-event model of E drafters x P verifier replicas: checked against a net run, replicas needed",
+    ),
     "vs_llamacpp": (
         "rsd_bench.llamacpp",
         "llama.cpp's target alone and speculative mode against rsd's, same GGUF files, prompts and threads",

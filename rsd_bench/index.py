@@ -84,6 +84,13 @@ def _net(r: dict) -> str:
     )
 
 
+def _simulate(r: dict) -> str:
+    s, sizing = r["settings"], r["sizing"]
+    check = r.get("check") or []
+    worst = f"; model vs measured within {100 * max(abs(c['error']) for c in check):.0f} %" if check else ""
+    return f"{sizing['replicas']} verifier replica(s) for {s['sessions']} sessions at {s['one_way_ms']:g} ms{worst}"
+
+
 def _vs_llamacpp(r: dict) -> str:
     best = _best([row for row in r["rows"] if row["system"] == "rsd"], "vs_llamacpp_target")
     llama = _best([row for row in r["rows"] if row["system"] == "llama.cpp"], "vs_llamacpp_target")
@@ -164,6 +171,7 @@ HEADLINES: dict[str, Callable[[dict], str]] = {
     "methods": _methods,
     "disaggregated": _disaggregated,
     "net": _net,
+    "simulate": _simulate,
     "vs_llamacpp": _vs_llamacpp,
     "services": _services,
     "forward_cost": _forward_cost,
