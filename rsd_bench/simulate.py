@@ -29,6 +29,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from rsd.shape_control import Costs, Shape, ShapeController, best_fixed, expected_tokens, family
 from rsd_tools.defaults import RESULTS_DIR
 
 
@@ -207,6 +208,37 @@ def replicas_needed(site: Site, pool: Pool, sessions: int, rate: float, most: in
     return {"replicas": hi, "tokens_per_s": round(o.tokens_per_s, 1), "mean_batch": round(o.mean_batch, 2)}
 
 
+def shape_table(base: Costs, truth: dict[int, float], delays: list[float], shapes: list[Shape], steps: int) -> dict:
+    """Per one-way delay: the best fixed shape (knowing truth, p_W per width), the controller's tokens/s over
+    `steps` steps learnt from drawn outcomes (exploration included) and the shape it settled on, against the
+    best single fixed shape for the whole delay range (the largest mean of tokens/s / best at each delay)."""
+    rate = lambda shape, costs: 1000 * expected_tokens(truth[shape.width], shape.depth) / costs.step(shape)  # noqa: E731
+    at = {d: dataclasses.replace(base, one_way_ms=d) for d in delays}
+    best = {d: best_fixed(shapes, truth, at[d]) for d in delays}
+    single = max(shapes, key=lambda s: sum(rate(s, at[d]) / rate(best[d], at[d]) for d in delays))
+    rows = []
+    for d in delays:
+        ctl, rng, tokens, ms = ShapeController(list(shapes)), random.Random(int(d)), 0, 0.0
+        for _ in range(steps):
+            shape = ctl.choose(at[d])
+            accepted = 0
+            while accepted < shape.depth and rng.random() < truth[shape.width]:
+                accepted += 1
+            ctl.observe(shape, accepted)
+            tokens, ms = tokens + accepted + 1, ms + at[d].step(shape)
+        rows.append(
+            {
+                "one_way_ms": d,
+                "best_shape": f"{best[d].width}x{best[d].depth}",
+                "best_tokens_per_s": round(rate(best[d], at[d]), 3),
+                "single_shape_tokens_per_s": round(rate(single, at[d]), 3),
+                "controller_shape": f"{ctl.choose(at[d]).width}x{ctl.choose(at[d]).depth}",
+                "controller_tokens_per_s": round(1000 * tokens / ms, 3),
+            }
+        )
+    return {"single_shape": f"{single.width}x{single.depth}", "steps": steps, "rows": rows}
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m rsd_bench.simulate", description=__doc__.split("\n")[0])
     ap.add_argument("--calibrate", type=Path, help="a net result (rsd_bench.net): the model against each row")
@@ -221,6 +253,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--rate", type=float, default=10.0, help="tokens/s each session must get (sizing)")
     ap.add_argument("--most-replicas", type=int, default=4096)
     ap.add_argument("--duration-ms", type=float, default=20_000.0)
+    shapes = ap.add_argument_group("tree shape per round-trip class (rsd.shape_control)")
+    shapes.add_argument("--shape-delays", default="0,10,25,50,100,200,500", help="one-way ms")
+    shapes.add_argument("--p-by-width", default="1:0.82,2:0.88,3:0.9,4:0.91", help="W:p_W, per-level acceptance")
+    shapes.add_argument("--max-depth", type=int, default=10)
+    shapes.add_argument("--draft-ms-per-level", type=float, default=57.8, help="a draft forward (one row)")
+    shapes.add_argument("--draft-ms-per-row", type=float, default=4.4)
+    shapes.add_argument("--verify-ms-base", type=float, default=122.0, help="a target forward (one token)")
+    shapes.add_argument("--verify-ms-per-node", type=float, default=18.0)
+    shapes.add_argument("--controller-steps", type=int, default=2000)
     ap.add_argument("--name", default="net-sim")
     ap.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     return ap
@@ -260,6 +301,30 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.tokens_per_step:g} tokens per step, batches of up to {args.max_batch} costing {args.verify_ms:g} + "
         f"{args.verify_ms_per_session:g} ms per more tree: {sizing} to give each >= {args.rate:g} tokens/s.",
     ]
+    truth = {int(w): float(p) for w, p in (x.split(":") for x in args.p_by_width.split(","))}
+    base = Costs(0.0, args.draft_ms_per_level, args.draft_ms_per_row, args.verify_ms_base, args.verify_ms_per_node)
+    delays = [float(d) for d in args.shape_delays.split(",")]
+    table = shape_table(base, truth, delays, family(truth, range(1, args.max_depth + 1)), args.controller_steps)
+    result["shapes"] = table
+    lines += [
+        "",
+        f"Tree shape (WxL) per round-trip class: p_W {truth}, draft {args.draft_ms_per_level:g} ms a level + "
+        f"{args.draft_ms_per_row:g} a row, verify {args.verify_ms_base:g} + {args.verify_ms_per_node:g} ms a node; "
+        f"the controller learns from {table['steps']} drawn steps per delay (its tokens/s include the exploring); "
+        f"the best single shape for the whole range is {table['single_shape']}.",
+        "",
+        "| one-way ms | best shape | best tok/s | controller settles on | controller tok/s (x best) | "
+        f"{table['single_shape']} tok/s (x best) | controller x single shape |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in table["rows"]:
+        b = r["best_tokens_per_s"]
+        lines.append(
+            f"| {r['one_way_ms']:g} | {r['best_shape']} | {b:.2f} | {r['controller_shape']} | "
+            f"{r['controller_tokens_per_s']:.2f} ({r['controller_tokens_per_s'] / b:.3f}) | "
+            f"{r['single_shape_tokens_per_s']:.2f} ({r['single_shape_tokens_per_s'] / b:.3f}) | "
+            f"{r['controller_tokens_per_s'] / r['single_shape_tokens_per_s']:.3f} |"
+        )
     write_result(args.out_dir, args.name, result, "\n".join(lines) + "\n")
     return 0
 

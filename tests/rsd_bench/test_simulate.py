@@ -57,6 +57,9 @@ def test_calibrated_on_the_plain_row_predicts_the_delayed_ones(tmp_path):
     assert [abs(r["error"]) < 0.01 for r in rows] == [True, True, True]
     (tmp_path / "net.json").write_text(json.dumps(result))
     argv = ["--calibrate", str(tmp_path / "net.json"), "--sessions", "20", "--out-dir", str(tmp_path)]
+    argv += ["--shape-delays", "0,200", "--controller-steps", "300", "--max-depth", "6"]
     assert main([*argv, "--name", "sim", "--duration-ms", "5000"]) == 0
     sim = json.loads((tmp_path / "sim.json").read_text())
     assert sim["sizing"]["replicas"] >= 1 and len(sim["check"]) == 3 and (tmp_path / "sim.md").exists()
+    near, far = sim["shapes"]["rows"]  # a longer round trip buys a deeper tree
+    assert int(far["best_shape"].split("x")[1]) > int(near["best_shape"].split("x")[1])
