@@ -33,6 +33,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from rsd.methods import Method
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -146,3 +148,62 @@ def _one_draft_rate(p_width: float, width: int) -> float:
 def best_fixed(shapes: Iterable[Shape], p: dict[int, float], costs: Costs) -> Shape:
     """The best shape when p_W is known (p: width -> p_W): what the controller should converge to."""
     return max(shapes, key=lambda s: (expected_tokens(p[s.width], s.depth) / costs.step(s), -s.num_nodes))
+
+
+@dataclass
+class CostMeter:
+    """Costs measured step by step, as exponentially weighted means (weight `decay` on the past):
+    the one-way delay (half of round trip - queue - verify), the draft cost per level (trees drafted after
+    the verdict only: a pre-drafted tree's draft hid in the wait), the pre-draft hit rate, and the verify
+    cost as a line in the tree's nodes (least squares on weighted sums; flat until two sizes were seen)."""
+
+    decay: float = 0.9
+    costs: Costs = field(default_factory=Costs)
+    _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # weight, x, y, xx, xy of (nodes, verify_ms)
+    _seen: bool = False
+
+    def _mean(self, old: float, new: float) -> float:
+        return new if not self._seen else self.decay * old + (1 - self.decay) * new
+
+    def observe(
+        self, shape: Shape, draft_ms: float | None, verify_ms: float, round_trip_ms: float, queue_ms: float, hit: bool
+    ) -> Costs:
+        """draft_ms: None when the tree was pre-drafted. -> the updated costs."""
+        c = self.costs
+        one_way = max(0.0, (round_trip_ms - queue_ms - verify_ms) / 2)
+        per_level = c.draft_ms_per_level if draft_ms is None else draft_ms / shape.depth
+        sums, x = self._sums, 1 + shape.num_nodes
+        for i, v in enumerate((1.0, x, verify_ms, x * x, x * verify_ms)):
+            sums[i] = self.decay * sums[i] + v
+        w, sx, sy, sxx, sxy = sums
+        var = sxx / w - (sx / w) ** 2
+        slope = max(0.0, (sxy / w - sx * sy / w**2) / var) if var > 1e-9 else 0.0
+        self.costs = Costs(
+            one_way_ms=self._mean(c.one_way_ms, one_way),
+            draft_ms_per_level=per_level if not self._seen else self._mean(c.draft_ms_per_level, per_level),
+            draft_ms_per_row=0.0,
+            verify_ms=max(0.0, sy / w - slope * sx / w),
+            verify_ms_per_node=slope,
+            predraft_hit_rate=self._mean(c.predraft_hit_rate, float(hit)),
+        )
+        self._seen = True
+        return self.costs
+
+
+ADAPTIVE_METHODS = ("sd", "spectr", "rsd_s")
+
+
+def adaptive_family(method: Method) -> list[Shape]:
+    """The shapes a controller may pick for `method`: every (W, L) up to the method's own width and depth.
+    ValueError for a method whose trees are not (W, L) or that carries a confidence stop."""
+    if method.name not in ADAPTIVE_METHODS:
+        raise ValueError(f"adaptive shapes are for {', '.join(ADAPTIVE_METHODS)}; got {method.name}")
+    if method.stop_below:
+        raise ValueError("adaptive shapes do not combine with a confidence stop (shape@tau)")
+    width = method.beam_width or method.branching[0]
+    return family(range(1, width + 1), range(1, method.depth + 1))
+
+
+def method_for(method: Method, shape: Shape) -> Method:
+    """`method` drafting `shape` instead of its own."""
+    return Method.parse(method.name, shape.spec(method.name))

@@ -121,3 +121,17 @@ def _peeking_law(draft, target, first: Shape, length: int) -> dict:
                     for seq, p_rest in toy.extend((*e1, *e2), target, length).items():
                         law[seq] = law.get(seq, 0.0) + p1 * q1 * p2 * q2 * p_rest
     return law
+
+
+def test_the_cost_meter_recovers_a_linear_verify_cost_and_the_delay():
+    from rsd.shape_control import CostMeter
+
+    meter = CostMeter()
+    for i in range(40):
+        shape = Shape(1 + i % 3, 2 + i % 2)
+        verify = 100 + 5 * (1 + shape.num_nodes)
+        costs = meter.observe(shape, 30.0 * shape.depth, verify, verify + 2 * 25 + 4, 4, hit=False)
+    assert costs.verify_ms == pytest.approx(100) and costs.verify_ms_per_node == pytest.approx(5)
+    assert costs.one_way_ms == pytest.approx(25) and costs.draft_ms_per_level == pytest.approx(30)
+    assert costs.predraft_hit_rate == 0
+    assert meter.observe(Shape(1, 2), None, 110, 164, 4, hit=True).draft_ms_per_level == pytest.approx(30)
