@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from rsd.methods import Method
+from rsd.shape_control import adaptive_family
 from rsd_bench.disaggregated import ar_summary, run_ar, service_runs
 from rsd_bench.netem import DelayRelay
 from rsd_tools.defaults import RESULTS_DIR
@@ -48,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--delays", default="0,10,25", help="one-way delays in ms, each direction")
     ap.add_argument("--jitter", type=float, default=0.1, help="fraction of the delay, uniform (default %(default)s)")
     ap.add_argument("--methods", default="rsd_s:3x4;sd:4", help="';'-separated method:shape (default %(default)s)")
+    ap.add_argument(
+        "--adaptive",
+        default="",
+        help="';'-separated method:largest shape run with adaptive_shape through the pre-drafting drafter "
+        "(rsd.shape_control), e.g. 'rsd_s:3x8'; compared with the fixed shapes of the same method",
+    )
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--num-prompts", type=int, default=2)
     ap.add_argument("--prompt-seed", type=int, default=0)
@@ -118,18 +125,29 @@ def interleaved_runs(gateways: dict, prompts: list[list[int]], method: str, shap
     return done
 
 
-def row(delay_ms: float, method: str, shape: str, t: float, pipelined: bool, runs: list, link: dict) -> dict:
+def adaptive_runs(address: str, prompts: list[list[int]], method: str, shape: str, t: float, args) -> list:
+    """Each prompt with GenerationParams.adaptive_shape, `shape` the largest the drafter may pick."""
+    from rsd_bench.gateway_runs import gateway_run
+
+    opts = argparse.Namespace(method=method, shape=shape, max_new_tokens=args.max_new_tokens, request_timeout_s=3600)
+    return [gateway_run(address, p, opts, t, args.seed + i, adaptive_shape=True) for i, p in enumerate(prompts)]
+
+
+def row(
+    delay_ms: float, method: str, shape: str, t: float, pipelined: bool, runs: list, link: dict, adaptive=False
+) -> dict:
     from rsd_bench.gateway_runs import step_split
 
     tokens = sum(len(r.token_ids) for r in runs)
     later = [s for r in runs for s in r.steps[1:]]
+    steps = [s for r in runs for s in r.steps]
     split = step_split(runs)
     return {
         "delay_ms": delay_ms,
         "method": method,
         "shape": shape,
         "temperature": t,
-        "adaptive": False,
+        "adaptive": adaptive,  # shape: the largest the controller may pick
         "pipelined": pipelined,
         "tokens": tokens,
         "tokens_per_s": round(tokens / sum(r.wall_s for r in runs), 4),
@@ -137,19 +155,31 @@ def row(delay_ms: float, method: str, shape: str, t: float, pipelined: bool, run
         "predraft_hit_rate": round(sum(s.predraft_hit for s in later) / len(later), 3) if later else None,
         "measured_one_way_ms": link,
         "split": {k: split[k] for k in SPLIT},
+        "draft_nodes_per_step": round(sum(s.num_draft_tokens for s in steps) / max(len(steps), 1), 2),
     }
 
 
 def compare(rows: list[dict], runs: dict, ar: dict) -> None:
     """speedup_vs_plain, speedup_vs_ar, same_tokens_as_plain and matches_ar, in place (runs: row index ->
-    the runs; ar: the target alone per T)."""
-    key = lambda r: (r["delay_ms"], r["method"], r["shape"], r["temperature"])  # noqa: E731
-    plain = {key(r): i for i, r in enumerate(rows) if not r["pipelined"]}
+    the runs; ar: the target alone per T). A fixed row's plain is the plain row of its shape; an adaptive
+    row's is the best plain row of its method, and it also gets speedup_vs_best_fixed (the best fixed row
+    of its method, plain or pre-drafting)."""
+    case = lambda r: (r["delay_ms"], r["method"], r["temperature"])  # noqa: E731
+    fixed = [r for r in rows if not r["adaptive"]]
     for i, r in enumerate(rows):
-        j = plain[key(r)]
-        r["speedup_vs_plain"] = round(r["tokens_per_s"] / rows[j]["tokens_per_s"], 3)
+        if r["adaptive"]:
+            same = [f for f in fixed if case(f) == case(r)]
+            plain = max((f for f in same if not f["pipelined"]), key=lambda f: f["tokens_per_s"])
+            r["speedup_vs_best_fixed"] = round(r["tokens_per_s"] / max(f["tokens_per_s"] for f in same), 3)
+            r["same_tokens_as_plain"] = None  # other shapes, so other tokens at T > 0
+        else:
+            j = next(
+                j for j, f in enumerate(rows) if not f["pipelined"] and f["shape"] == r["shape"] and case(f) == case(r)
+            )
+            plain = rows[j]
+            r["same_tokens_as_plain"] = all(a.token_ids == b.token_ids for a, b in zip(runs[i], runs[j], strict=True))
+        r["speedup_vs_plain"] = round(r["tokens_per_s"] / plain["tokens_per_s"], 3)
         r["speedup_vs_ar"] = round(r["tokens_per_s"] / ar[r["temperature"]]["tokens_per_s"], 3)
-        r["same_tokens_as_plain"] = all(a.token_ids == b.token_ids for a, b in zip(runs[i], runs[j], strict=True))
         r["matches_ar"] = (
             all(a.token_ids == b["token_ids"] for a, b in zip(runs[i], ar[0.0]["runs"], strict=True))
             if r["temperature"] == 0
@@ -168,8 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     delays = [float(d) for d in args.delays.split(",")]
     temps = [float(t) for t in args.temperatures.split(",")]
     methods = [m.split(":", 1) for m in args.methods.split(";")]
-    for name, shape in methods:  # refused before anything starts
+    adaptives = [m.split(":", 1) for m in args.adaptive.split(";") if m]
+    for name, shape in methods + adaptives:  # refused before anything starts
         Method.parse(name, shape)
+    for name, shape in adaptives:
+        adaptive_family(Method.parse(name, shape))
     draft, target = model_dirs(args.draft, args.target, args.cache_dir, args.tiny)
     tok = load_tokenizer(target)
     texts = [p["prompt"] for p in stdlib_prompts(args.num_prompts, args.prompt_seed)]
@@ -200,6 +233,12 @@ def main(argv: list[str] | None = None) -> int:
                                 f"{delay:g} ms {method} {shape} T={t:g} pre-drafting {pipelined}: "
                                 f"{r['tokens_per_s']} tok/s, BE {r['block_efficiency']}, hits {r['predraft_hit_rate']}"
                             )
+                for method, shape in adaptives:
+                    for t in temps:
+                        done = adaptive_runs(gateways[True], prompts, method, shape, t, args)
+                        runs[len(rows)] = done
+                        rows.append(row(delay, method, shape, t, True, done, None, adaptive=True))
+                        log(f"{delay:g} ms {method} <={shape} T={t:g} adaptive: {rows[-1]['tokens_per_s']} tok/s")
                 link.append(relay.describe())
                 for r in rows:
                     if r["delay_ms"] == delay:
@@ -255,17 +294,20 @@ def markdown(result: dict) -> str:
         f"{result['loadavg_end']} at the end (a shared machine: compare rows of one run).",
         "",
         "| delay ms (measured up/down) | method | T | pre-drafting | tok/s | x plain | x target alone | block eff. | "
-        "pre-draft hits | same tokens as plain | matches target (T=0) | draft / transfer / verify / step ms |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "pre-draft hits | draft nodes a step | same tokens as plain | matches target (T=0) | "
+        "draft / transfer / verify / step ms |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in result["rows"]:
         s, mo = r["split"], r["measured_one_way_ms"] or {}
+        shape = f"adaptive <= {r['shape']}" if r["adaptive"] else r["shape"]
         split = " / ".join(f"{s[k]:.0f}" if s.get(k) is not None else "-" for k in SPLIT)
         lines.append(
-            f"| {r['delay_ms']:g} ({mo.get('up')}/{mo.get('down')}) | {r['method']} {r['shape']} | "
+            f"| {r['delay_ms']:g} ({mo.get('up')}/{mo.get('down')}) | {r['method']} {shape} | "
             f"{r['temperature']:g} | {'on' if r['pipelined'] else 'off'} | {r['tokens_per_s']:.2f} | "
             f"{r['speedup_vs_plain']:.2f} | {r['speedup_vs_ar']:.2f} | {r['block_efficiency']:.2f} | "
-            f"{r['predraft_hit_rate']} | {r['same_tokens_as_plain']} | "
+            f"{r['predraft_hit_rate']} | {r.get('draft_nodes_per_step', '-')} | "
+            f"{'' if r['same_tokens_as_plain'] is None else r['same_tokens_as_plain']} | "
             f"{'' if r['matches_ar'] is None else r['matches_ar']} | {split} |"
         )
     return "\n".join(lines) + "\n"
@@ -280,13 +322,13 @@ def plot(result: dict, path: Path) -> None:
     temps = sorted({r["temperature"] for r in result["rows"]})
     fig, axes = plt.subplots(1, len(temps), figsize=(4.5 * len(temps), 3.5), squeeze=False)
     for ax, t in zip(axes[0], temps, strict=True):
-        for method, shape in dict.fromkeys((r["method"], r["shape"]) for r in result["rows"]):
-            for pipelined, style in ((False, "--"), (True, "-")):
-                rows = [r for r in result["rows"] if (r["method"], r["shape"], r["temperature"]) == (method, shape, t)]
-                rows = [r for r in rows if r["pipelined"] == pipelined]
-                label = f"{method} {shape}, {'pre-drafting' if pipelined else 'plain'}"
-                xs, ys = [r["delay_ms"] for r in rows], [r["tokens_per_s"] for r in rows]
-                ax.plot(xs, ys, style, marker="o", label=label)
+        for line in dict.fromkeys((r["method"], r["shape"], r["adaptive"], r["pipelined"]) for r in result["rows"]):
+            method, shape, adaptive, pipelined = line
+            rows = [r for r in result["rows"] if (r["method"], r["shape"], r["adaptive"], r["pipelined"]) == line]
+            rows = [r for r in rows if r["temperature"] == t]
+            how = "adaptive, pre-drafting" if adaptive else "pre-drafting" if pipelined else "plain"
+            xs, ys = [r["delay_ms"] for r in rows], [r["tokens_per_s"] for r in rows]
+            ax.plot(xs, ys, "-" if pipelined else "--", marker="o", label=f"{method} {shape}, {how}")
         ax.axhline(result["ar"][str(t)]["tokens_per_s"], color="k", ls=":", label="target alone")
         ax.set_title(f"T = {t:g}")
         ax.set_xlabel("one-way delay (ms)")
