@@ -162,9 +162,10 @@ def calibrated(base: dict, row: dict) -> tuple[Site, Pool]:
     return site, Pool(verify_ms=split["verify_ms"])
 
 
-def check_rows(result: dict, duration_ms: float) -> list[dict]:
+def check_rows(result: dict, steps: int = 1000) -> list[dict]:
     """Per row of a net result: the model's tokens/s, calibrated on the plain row at the smallest delay,
-    against the measured steady state (block efficiency / mean step after the first of each generation)."""
+    against the measured steady state (block efficiency / mean step after the first of each generation).
+    The model runs for about `steps` steps (a horizon of few steps would cut the last one off)."""
     key = lambda r: (r["method"], r["shape"], r["temperature"])  # noqa: E731
     base = {}
     for r in sorted((r for r in result["rows"] if not r["pipelined"]), key=lambda r: r["delay_ms"], reverse=True):
@@ -172,7 +173,10 @@ def check_rows(result: dict, duration_ms: float) -> list[dict]:
     out = []
     for row in result["rows"]:
         site, pool = calibrated(base[key(row)], row)
+        duration_ms = steps * (site.draft_ms + 2 * site.one_way_ms + row["split"]["verify_ms"])
         predicted = simulate([site], pool, duration_ms).tokens_per_s
+        own_verify = dataclasses.replace(pool, verify_ms=row["split"]["verify_ms"])  # the load's drift taken out
+        predicted_own = simulate([site], own_verify, duration_ms).tokens_per_s
         measured = 1000 * row["block_efficiency"] / row["split"]["step_ms"]
         out.append(
             {
@@ -184,6 +188,8 @@ def check_rows(result: dict, duration_ms: float) -> list[dict]:
                 "measured_steady_tokens_per_s": round(measured, 3),
                 "predicted_tokens_per_s": round(predicted, 3),
                 "error": round(predicted / measured - 1, 4),
+                "predicted_own_verify_tokens_per_s": round(predicted_own, 3),
+                "error_own_verify": round(predicted_own / measured - 1, 4),
             }
         )
     return out
@@ -275,20 +281,22 @@ def main(argv: list[str] | None = None) -> int:
     result["settings"]["calibrate"] = str(args.calibrate) if args.calibrate else None
     lines = ["# The network simulator (rsd_bench.simulate)", ""]
     if args.calibrate:
-        rows = check_rows(json.loads(args.calibrate.read_text()), args.duration_ms)
+        rows = check_rows(json.loads(args.calibrate.read_text()))
         result["check"] = rows
         lines += [
             f"Model against the measured steady state of {args.calibrate.name}: one session, calibrated on the plain "
             "row at the smallest delay of each method, shape and T (its draft, verify and loopback transfer ms), "
             "then the row's added delay, hit rate and block efficiency.",
             "",
-            "| delay ms | method | T | pre-drafting | measured tok/s | model tok/s | error |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
+            "| delay ms | method | T | pre-drafting | measured tok/s | model tok/s | error | model with the row's "
+            "own verify ms | error |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         lines += [
             f"| {r['delay_ms']:g} | {r['method']} {r['shape']} | {r['temperature']:g} | "
             f"{'on' if r['pipelined'] else 'off'} | {r['measured_steady_tokens_per_s']:.2f} | "
-            f"{r['predicted_tokens_per_s']:.2f} | {100 * r['error']:+.1f} % |"
+            f"{r['predicted_tokens_per_s']:.2f} | {100 * r['error']:+.1f} % | "
+            f"{r['predicted_own_verify_tokens_per_s']:.2f} | {100 * r['error_own_verify']:+.1f} % |"
             for r in rows
         ]
         lines.append("")

@@ -53,7 +53,7 @@ def test_calibrated_on_the_plain_row_predicts_the_delayed_ones(tmp_path):
     delayed = {"draft_ms": 10.0, "transfer_ms": 52.0, "verify_ms": 20.0, "step_ms": 82.0}
     hidden = {"draft_ms": 0.0, "transfer_ms": 52.0, "verify_ms": 20.0, "step_ms": 72.0}
     result = {"rows": [_net_row(0, False, base), _net_row(25, False, delayed), _net_row(25, True, hidden, 1.0)]}
-    rows = check_rows(result, DURATION)
+    rows = check_rows(result)
     assert [abs(r["error"]) < 0.01 for r in rows] == [True, True, True]
     (tmp_path / "net.json").write_text(json.dumps(result))
     argv = ["--calibrate", str(tmp_path / "net.json"), "--sessions", "20", "--out-dir", str(tmp_path)]
