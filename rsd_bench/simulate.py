@@ -172,6 +172,8 @@ def check_rows(result: dict, steps: int = 1000) -> list[dict]:
         base[key(r)] = r
     out = []
     for row in result["rows"]:
+        if row.get("adaptive"):  # its shape changes step by step: no one plain row calibrates it
+            continue
         site, pool = calibrated(base[key(row)], row)
         duration_ms = steps * (site.draft_ms + 2 * site.one_way_ms + row["split"]["verify_ms"])
         predicted = simulate([site], pool, duration_ms).tokens_per_s
@@ -275,9 +277,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from rsd_bench.machine import run_record, write_result
+    from rsd_bench.machine import machine_info, run_record, write_result
 
     result: dict = {**run_record("simulate"), "complete": True, "settings": vars(args) | {"out_dir": None}}
+    result["machine"] = machine_info()  # the model runs anywhere; recorded for the index's machine class
     result["settings"]["calibrate"] = str(args.calibrate) if args.calibrate else None
     lines = ["# The network simulator (rsd_bench.simulate)", ""]
     if args.calibrate:
@@ -319,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         f"Tree shape (WxL) per round-trip class: p_W {truth}, draft {args.draft_ms_per_level:g} ms a level + "
         f"{args.draft_ms_per_row:g} a row, verify {args.verify_ms_base:g} + {args.verify_ms_per_node:g} ms a node; "
         f"the controller learns from {table['steps']} drawn steps per delay (its tokens/s include the exploring); "
-        f"the best single shape for the whole range is {table['single_shape']}.",
+        f"the best single shape for the whole range is {table['single_shape']}. (The default costs are the real "
+        "pair's: docs/performance.md#across-a-network.)",
         "",
         "| one-way ms | best shape | best tok/s | controller settles on | controller tok/s (x best) | "
         f"{table['single_shape']} tok/s (x best) | controller x single shape |",

@@ -9,7 +9,8 @@ from rsd_bench import net
 
 def test_tiny_run_writes_every_field(tmp_path):
     argv = ["--tiny", "--num-prompts", "1", "--max-new-tokens", "6", "--temperatures", "0,1", "--methods", "sd:2"]
-    argv += ["--adaptive", "sd:3", "--delays", "0,5", "--cache-dir", str(tmp_path / "cache"), "--out-dir", str(tmp_path), "--name", "n"]
+    argv += ["--adaptive", "sd:3", "--delays", "0,5", "--cache-dir", str(tmp_path / "cache")]
+    argv += ["--out-dir", str(tmp_path), "--name", "n"]
     assert net.main(argv) == 0
     result = json.loads((tmp_path / "n.json").read_text())
     assert result["complete"] is True and (tmp_path / "n.md").exists() and (tmp_path / "n-tokens-per-s.png").exists()
