@@ -9,7 +9,7 @@ from rsd_bench import net
 
 def test_tiny_run_writes_every_field(tmp_path):
     argv = ["--tiny", "--num-prompts", "1", "--max-new-tokens", "6", "--temperatures", "0,1", "--methods", "sd:2"]
-    argv += ["--adaptive", "sd:3", "--delays", "0,5", "--cache-dir", str(tmp_path / "cache")]
+    argv += ["--adaptive", "sd:3", "--delays", "5", "--cache-dir", str(tmp_path / "cache")]
     argv += ["--out-dir", str(tmp_path), "--name", "n"]
     assert net.main(argv) == 0
     result = json.loads((tmp_path / "n.json").read_text())
@@ -18,10 +18,10 @@ def test_tiny_run_writes_every_field(tmp_path):
     fields = {"delay_ms", "method", "shape", "adaptive", "pipelined", "tokens_per_s", "block_efficiency"}
     fields |= {"predraft_hit_rate", "speedup_vs_plain", "speedup_vs_ar", "same_tokens_as_plain", "matches_ar"}
     rows = result["rows"]
-    assert len(rows) == 2 * 2 * 3 and all(fields <= set(r) for r in rows)  # delays x T x (plain, pre, adaptive)
+    assert len(rows) == 2 * 3 and all(fields <= set(r) for r in rows)  # T x (plain, pre-drafting, adaptive)
     assert all(r["same_tokens_as_plain"] for r in rows if not r["adaptive"])
     assert all(r["matches_ar"] for r in rows if r["temperature"] == 0)  # adaptive shapes too
     assert all(r["speedup_vs_plain"] == 1 for r in rows if not r["pipelined"])
     assert all(r["speedup_vs_best_fixed"] > 0 for r in rows if r["adaptive"])
-    delayed = [r for r in rows if r["delay_ms"] == 5]  # the relay's scheduled one-way delay, not a clock
-    assert all(min(r["measured_one_way_ms"].values()) >= 5 * (1 - result["network"]["jitter"]) for r in delayed)
+    # the relay's scheduled one-way delay (departure - arrival of each chunk), not a clock
+    assert all(min(r["measured_one_way_ms"].values()) >= 5 * (1 - result["network"]["jitter"]) for r in rows)
