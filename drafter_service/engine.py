@@ -49,6 +49,7 @@ from rsd.logprobs import TokenLogprobs
 from rsd.methods import Method
 from rsd.random import StepRandom, Stream
 from rsd.sampling import SamplingParams
+from rsd.shape_control import CostMeter, Shape, ShapeController, method_for
 from rsd.tree import DraftTree
 from rsd_runtime.attention import check_model
 from rsd_runtime.compute import ComputeThread
@@ -90,6 +91,7 @@ class RunJob:
     verifier_address: str
     verifier_id: str = ""
     num_top_logprobs: int | None = None  # the verdicts carry the tokens' logprobs (params.logprobs); None: not
+    shapes: tuple[Shape, ...] = ()  # params.adaptive_shape: the family a ShapeController picks from; () = method's
 
 
 @dataclass(frozen=True)
@@ -237,7 +239,8 @@ class DrafterPool:
         forward = self.packer.forward if self.packer is not None else self._forward
         drafter = Drafter(slot.runner, self.config.proposal_top_k, self.config.proposal_top_p, forward)
         ahead = _Ahead(self, slot, drafter, job) if self.config.predraft else None
-        next_tree = None
+        shaper = _Shaper(job) if job.shapes else None
+        method, next_tree = job.method if shaper is None else shaper.pick(), None
         async with channel(job.verifier_address, self.verifier_security) as verifier_channel:
             stub = verifier_pb2_grpc.VerifierStub(verifier_channel)
             await self._attach(stub, job)
@@ -249,14 +252,17 @@ class DrafterPool:
                         return
                     t0 = time.perf_counter()
                     tree, next_tree = next_tree, None
+                    predrafted = tree is not None
                     if tree is None:
                         rng = StepRandom(job.seed, Stream.DRAFT, len(committed) - 1)
-                        tree = await self._in_thread(slot, drafter.draft, committed, job.method, job.sampling, rng)
+                        tree = await self._in_thread(slot, drafter.draft, committed, method, job.sampling, rng)
                     t1 = time.perf_counter()
                     msg = draft_tree_to_proto(
                         tree, session_id=job.session_id, epoch=job.epoch, root_position=len(committed) - 1
                     )
+                    upcoming = method if shaper is None else shaper.pick()  # from the steps before this one
                     if ahead is not None:
+                        ahead.pre.method = upcoming
                         ahead.start(committed, tree, job.max_new_tokens - (len(committed) - start), t1)
                     verdict = None
                     try:
@@ -280,6 +286,9 @@ class DrafterPool:
                         round_trip_ms=(t2 - t1) * 1000,
                         verifier=reply.stats,
                     )
+                    if shaper is not None:
+                        shaper.observe(method, stats, None if predrafted else (t1 - t0) * 1000)
+                    method = upcoming
                     if ahead is not None:
                         next_tree = ahead.take(verdict, t2 - t1, stats)
                         slot.runner = drafter.runner  # a tree pre-drafted on a shadow runner brings it along
@@ -356,6 +365,26 @@ class DrafterPool:
                 f"method {job.method.name} drafts up to {nodes} nodes; the verifier takes {reply.max_tree_nodes}"
             )
         self.last_attach[job.session_id] = reply
+
+
+class _Shaper:
+    """params.adaptive_shape (rsd.shape_control): one run's controller and its measured costs. The shape of
+    step n + 1 is picked when step n's tree goes out, from the steps before n, so a tree pre-drafted for
+    step n + 1 has the shape a draft after the verdict would have, and no step's shape depends on its own
+    draws (the law stays exact)."""
+
+    def __init__(self, job: RunJob):
+        self.method, self.controller, self.meter = job.method, ShapeController(list(job.shapes)), CostMeter()
+
+    def pick(self) -> Method:
+        return method_for(self.method, self.controller.choose(self.meter.costs))
+
+    def observe(self, method: Method, stats: common_pb2.StepStats, draft_ms: float | None) -> None:
+        """draft_ms: None when the tree was pre-drafted (its draft hid in the wait)."""
+        shape = Shape(method.beam_width or method.branching[0], method.depth)
+        self.controller.observe(shape, stats.num_accepted_tokens)
+        v = stats.verifier
+        self.meter.observe(shape, draft_ms, v.forward_ms, stats.round_trip_ms, v.queue_ms, draft_ms is None)
 
 
 class _Ahead:

@@ -16,6 +16,7 @@ import logging
 import grpc
 
 from drafter_service.engine import DrafterPool, RunJob
+from rsd.shape_control import adaptive_family
 from rsd_service.registry import ID_PATTERN, check_id
 from rsd_service.status import abort
 from rsd_wire import drafter_pb2, drafter_pb2_grpc
@@ -78,6 +79,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             )
         if not request.verifier_address:
             raise ValueError("verifier_address is required")
+        shapes = ()
+        if params.adaptive_shape:
+            try:
+                shapes = tuple(adaptive_family(method))
+            except ValueError as e:
+                raise ValueError(f"params.adaptive_shape: {e}") from None
         return RunJob(
             session_id=request.session_id,
             epoch=request.epoch,
@@ -91,4 +98,5 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             verifier_address=request.verifier_address,
             verifier_id=request.verifier_id,
             num_top_logprobs=top_logprobs,
+            shapes=shapes,
         )

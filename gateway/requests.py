@@ -14,6 +14,7 @@ from gateway.errors import ContextLengthExceeded, RequestError
 from gateway.store.session import SessionRecord, SessionStatus
 from rsd.methods import DEFAULT_SHAPES
 from rsd.sampling import SamplingParams
+from rsd.shape_control import adaptive_family
 from rsd_service.registry import ServiceInfo, check_id
 from rsd_wire import common_pb2, gateway_pb2
 from rsd_wire.convert import num_top_logprobs, parse_method, rule_from_proto
@@ -105,6 +106,7 @@ def default_params(config: GatewayConfig) -> dict[str, Any]:
         "logprobs": False,
         "top_logprobs": 0,
         "verification": "token",
+        "adaptive_shape": False,
     }
 
 
@@ -114,6 +116,7 @@ def merge_params(base: Mapping[str, Any], msg: common_pb2.GenerationParams | Non
     params = dict(base)
     params["logprobs"] = bool(msg is not None and msg.logprobs)
     params["top_logprobs"] = msg.top_logprobs if msg is not None else 0
+    params["adaptive_shape"] = bool(msg is not None and msg.adaptive_shape)  # the turn's own too
     if msg is None:
         return params
     if msg.HasField("sampling"):
@@ -164,6 +167,11 @@ def validate_params(params: Mapping[str, Any], config: GatewayConfig, vocab_size
         rule_from_proto(params_to_proto(params), sampling, method)
     except ValueError as e:
         raise RequestError(str(e), "params.verification") from None
+    if params.get("adaptive_shape"):
+        try:
+            adaptive_family(method)
+        except ValueError as e:
+            raise RequestError(f"params.adaptive_shape: {e}", "params.adaptive_shape") from None
     if not 1 <= params["max_new_tokens"] <= config.max_new_tokens_limit:
         raise RequestError(
             f"params.max_new_tokens: must be in [1, {config.max_new_tokens_limit}], got {params['max_new_tokens']}",
@@ -234,6 +242,7 @@ def params_to_proto(params: Mapping[str, Any]) -> common_pb2.GenerationParams:
         stop_sequences=list(params["stop_sequences"]),
         logprobs=bool(params.get("logprobs", False)),
         top_logprobs=int(params.get("top_logprobs", 0)),
+        adaptive_shape=bool(params.get("adaptive_shape", False)),
     )
     if params.get("seed") is not None:
         msg.seed = int(params["seed"])

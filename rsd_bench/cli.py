@@ -25,6 +25,14 @@ BENCHMARKS = {
         "rsd_bench.disaggregated",
         "the pipeline through the real services (redis, verifier, drafter, gateway) against the target alone",
     ),
+    "net": (
+        "rsd_bench.net",
+        "drafter and verifier across an emulated network (a delay relay): plain vs pre-drafting per delay",
+    ),
+    "simulate": (
+        "rsd_bench.simulate",
+        "a discrete-event model of E drafters x P verifier replicas: checked against a net run, replicas needed",
+    ),
     "vs_llamacpp": (
         "rsd_bench.llamacpp",
         "llama.cpp's target alone and speculative mode against rsd's, same GGUF files, prompts and threads",

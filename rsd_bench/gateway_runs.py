@@ -32,6 +32,7 @@ def gateway_run(
     barrier=None,
     max_new_tokens: int = 0,
     verification: str | None = None,
+    adaptive_shape: bool = False,
 ) -> Run:
     from rsd_service.client import RsdClient
 
@@ -47,6 +48,7 @@ def gateway_run(
             max_new_tokens=max_new_tokens or args.max_new_tokens,
             seed=seed,
             verification=verification,
+            adaptive_shape=adaptive_shape,
         )
         arrivals, delta_tokens = [], []
         for delta in gen:

@@ -76,6 +76,31 @@ def _disaggregated(r: dict) -> str:
     return f"{speedup:.2f}x the target alone on the whole machine: {how}, T={best['temperature']:g}"
 
 
+def _net(r: dict) -> str:
+    best = _best([row for row in r["rows"] if row["pipelined"] and not row.get("adaptive")], "speedup_vs_plain")
+    text = (
+        f"pre-drafting {best['speedup_vs_plain']:.2f}x plain at {best['delay_ms']:g} ms one way: "
+        f"{best['method']} {best['shape']}, T={best['temperature']:g}"
+    )
+    adaptive = [row for row in r["rows"] if row.get("adaptive")]
+    if adaptive:
+        top = _best(adaptive, "speedup_vs_best_fixed")
+        text += f"; adaptive shapes {top['speedup_vs_best_fixed']:.2f}x the best fixed at {top['delay_ms']:g} ms"
+    return text
+
+
+def _simulate(r: dict) -> str:
+    s, sizing = r["settings"], r["sizing"]
+    check = r.get("check") or []
+    worst = (
+        f"; model vs measured within {100 * max(abs(c['error']) for c in check):.0f} % "
+        f"({100 * max(abs(c['error_own_verify']) for c in check):.0f} % with each row's own verify ms)"
+        if check
+        else ""
+    )
+    return f"{sizing['replicas']} verifier replica(s) for {s['sessions']} sessions at {s['one_way_ms']:g} ms{worst}"
+
+
 def _vs_llamacpp(r: dict) -> str:
     best = _best([row for row in r["rows"] if row["system"] == "rsd"], "vs_llamacpp_target")
     llama = _best([row for row in r["rows"] if row["system"] == "llama.cpp"], "vs_llamacpp_target")
@@ -155,6 +180,8 @@ def _rule_gap(r: dict) -> str:
 HEADLINES: dict[str, Callable[[dict], str]] = {
     "methods": _methods,
     "disaggregated": _disaggregated,
+    "net": _net,
+    "simulate": _simulate,
     "vs_llamacpp": _vs_llamacpp,
     "services": _services,
     "forward_cost": _forward_cost,

@@ -100,12 +100,14 @@ class RsdClient:
         request_id: str = "",
         logit_bias: Mapping[int, float] | None = None,
         top_logprobs: int | None = None,
+        adaptive_shape: bool = False,
     ) -> Generation:
         """Start (no session_id), continue (session_id and input) or resume (session_id, no input).
         The input: prompt (text), token_ids, or messages as (role, content) pairs (chat template).
         Parameters left None take the gateway's defaults (new session) or the session's (continuation).
         top_logprobs (0..20): each TokenDelta carries its tokens' logprobs with that many top tokens each.
-        verification: "token" (the default), "traversal" or "block" (rsd.methods; the verifier applies it)."""
+        verification: "token" (the default), "traversal" or "block" (rsd.methods; the verifier applies it).
+        adaptive_shape: the drafter picks each step's shape up to `shape` (rsd.shape_control); this turn only."""
         request = gateway_pb2.GenerateRequest(session_id=session_id, request_id=request_id)
         if sum(x is not None for x in (prompt, token_ids, messages)) > 1:
             raise ValueError("give one of prompt, token_ids and messages")
@@ -118,7 +120,18 @@ class RsdClient:
         if resume_from_position is not None:
             request.resume_from_position = resume_from_position
         params = build_params(
-            method, shape, temperature, top_k, top_p, max_new_tokens, stop, seed, logit_bias, top_logprobs, verification
+            method,
+            shape,
+            temperature,
+            top_k,
+            top_p,
+            max_new_tokens,
+            stop,
+            seed,
+            logit_bias,
+            top_logprobs,
+            verification,
+            adaptive_shape,
         )
         if params is not None:
             request.params.CopyFrom(params)
@@ -145,6 +158,7 @@ def build_params(
     logit_bias: Mapping[int, float] | None = None,
     top_logprobs: int | None = None,
     verification: str | None = None,
+    adaptive_shape: bool = False,
 ) -> common_pb2.GenerationParams | None:
     """GenerationParams with only the given fields present (None when nothing is given). top_logprobs given:
     logprobs on, with that many top tokens."""
@@ -163,5 +177,6 @@ def build_params(
     if seed is not None:
         params.seed = seed
     params.verification = verification or ""
+    params.adaptive_shape = adaptive_shape
     given = params.HasField("sampling") or params.HasField("method") or params.HasField("seed") or params.logprobs
-    return params if given or max_new_tokens or stop or verification else None
+    return params if given or max_new_tokens or stop or verification or adaptive_shape else None

@@ -543,3 +543,32 @@ def test_batcher_skips_the_wait_when_every_open_session_is_queued():
             await batcher.stop()
 
     asyncio.run(run())
+
+
+def test_adaptive_shapes_are_exact_at_t0_and_vary(models):
+    """params.adaptive_shape: the drafter picks each step's (width, depth) up to the given shape
+    (rsd.shape_control); at T = 0 the output is the target's greedy one whatever shapes it picks, with
+    pre-drafting on and off (T > 0: the enumeration in tests/rsd/test_shape_control.py). A method whose
+    trees are not (W, L) is refused."""
+    greedy = SpeculativeGenerator(ModelRunner(models[1], MAX_LEN)).generate(PROMPT, None, SamplingParams(0), NEW_TOKENS)
+    sizes = set()
+
+    async def main():
+        for predraft in (True, False):
+            async with services(models, None, {"predraft": predraft}) as (vhandle, _, stub, _):
+                for name, shape in (("sd", "4"), ("rsd_s", "3x3"), ("spectr", "2x3")):
+                    params = gen_params(name, shape, 0.0, seed=1)
+                    params.adaptive_shape = True
+                    tokens, events = await run(stub, vhandle, f"adaptive-{name}-{predraft}", params)
+                    assert tokens == greedy.token_ids, (name, predraft)
+                    sizes.update(e.stats.num_draft_tokens for e in events[:-1])
+                    params.sampling.temperature = 0.8  # runs through (each rule takes every (W, L) tree)
+                    tokens, _ = await run(stub, vhandle, f"adaptive-t-{name}-{predraft}", params)
+                    assert len(tokens) == NEW_TOKENS
+                params = gen_params("rsd_c", "2,2", 0.0, seed=1)
+                params.adaptive_shape = True
+                details = await expect_status(grpc.StatusCode.INVALID_ARGUMENT, run(stub, vhandle, "refused", params))
+                assert "params.adaptive_shape" in details
+
+    asyncio.run(main())
+    assert len(sizes) > 1  # the shapes did change

@@ -85,7 +85,12 @@ def test_params_merge_and_validate():
     validate_params(chosen, config, 64)
     assert merge_params(chosen, build_params(seed=3))["verification"] == "block"  # "" keeps the session's
     assert params_to_proto({k: v for k, v in chosen.items() if k != "verification"}).verification == "token"
+    adaptive = merge_params(again, build_params(adaptive_shape=True))
+    assert adaptive["adaptive_shape"] and params_to_proto(adaptive).adaptive_shape
+    validate_params(adaptive, config, 64)
+    assert not merge_params(adaptive, build_params(seed=2))["adaptive_shape"]  # the turn's own
     for change, reason in [
+        ({"adaptive_shape": True, "method": "rsd_c", "shape": "2,1"}, "params.adaptive_shape: .* sd, spectr, rsd_s"),
         ({"verification": "bogus"}, "params.verification: unknown verification 'bogus'"),
         ({"method": "rsd_c", "shape": "2,1", "verification": "block"}, "params.verification: block .* one chain"),
         ({"temperature": -1.0}, "temperature"),
