@@ -28,6 +28,24 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+CONSTRAINT_KINDS = ("regex", "json_schema", "json_object")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a request constrains its generated text to. kind "regex": value is the pattern the whole text
+    matches; "json_schema": value is the schema, as JSON text; "json_object": any JSON object (value "")."""
+
+    kind: str
+    value: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in CONSTRAINT_KINDS:
+            raise ValueError(f"unknown constraint kind {self.kind!r}; expected one of {', '.join(CONSTRAINT_KINDS)}")
+        if (self.kind == "json_object") != (self.value == ""):
+            needs = "takes no" if self.kind == "json_object" else "needs a"
+            raise ValueError(f"a {self.kind} constraint {needs} value")
+
 
 class ConstraintError(ValueError):
     """The constraint allows no token where one must be generated (or a tree holds a forbidden token)."""
@@ -51,38 +69,44 @@ class TokenAutomaton(Protocol):
 class Guide:
     """A constraint applied to one generation: the automaton, and where the constrained text begins
     (the index in the committed tokens of the first generated token). Remembers the states along the
-    tokens it has seen, so each step advances over the new tokens only (and a rewound history is
-    recomputed from where it differs)."""
+    tokens it has seen, so each step advances over the new tokens only (a history that differs is
+    recomputed from where it differs). Safe to share between threads: the memo is swapped whole."""
 
     automaton: TokenAutomaton
     start: int
-    _tokens: list[int] = field(default_factory=list, repr=False)  # generated tokens seen so far
-    _states: list[int] = field(default_factory=list, repr=False)  # _states[i]: after _tokens[:i]
+    _memo: tuple[tuple[int, ...], tuple[int, ...]] = field(default=((), ()), repr=False)  # tokens, states after
 
     def root_state(self, committed: list[int]) -> int:
         """The state after committed[start:] (the tree's root is committed[-1])."""
         generated = committed[self.start :]
-        if not self._states:
-            self._states.append(self.automaton.initial_state)
+        known, states = self._memo
         n = 0
-        while n < min(len(generated), len(self._tokens)) and generated[n] == self._tokens[n]:
+        while n < min(len(generated), len(known)) and generated[n] == known[n]:
             n += 1
-        del self._tokens[n:], self._states[n + 1 :]
-        for token in generated[n:]:
-            state = self.automaton.next_state(self._states[-1], token)
+        states = list(states[:n])
+        state = states[-1] if states else self.automaton.initial_state
+        for i in range(n, len(generated)):
+            state = self.automaton.next_state(state, generated[i])
             if state is None:
                 raise ConstraintError(
-                    f"generated token {token} at position {self.start + len(self._tokens)} is not allowed by the "
-                    "constraint"
+                    f"generated token {generated[i]} at position {self.start + i} is not allowed by the constraint"
                 )
-            self._tokens.append(token)
-            self._states.append(state)
-        return self._states[-1]
+            states.append(state)
+        self._memo = (tuple(generated), tuple(states))
+        return state
 
-    def tree_masks(self, committed: list[int], token_ids: Tensor, parent_idx: Tensor, vocab_size: int) -> Tensor:
-        """[N, V] bool: the tokens allowed after each node of a tree whose root is committed[-1]."""
+    def tree_masks(
+        self,
+        committed: list[int],
+        token_ids: Tensor,
+        parent_idx: Tensor,
+        vocab_size: int,
+        nodes: list[int] | None = None,
+    ) -> Tensor:
+        """[N', V] bool: the tokens allowed after each node (or each of `nodes`) of a tree whose root is
+        committed[-1]; token_ids, parent_idx [N]."""
         states = node_states(self.automaton, self.root_state(committed), token_ids, parent_idx)
-        return state_masks(self.automaton, states, vocab_size)
+        return state_masks(self.automaton, states if nodes is None else [states[n] for n in nodes], vocab_size)
 
 
 def node_states(automaton: TokenAutomaton, root_state: int, token_ids: Tensor, parent_idx: Tensor) -> list[int]:
