@@ -6,7 +6,9 @@ output is the target's constrained greedy output token for token; bad constraint
 from __future__ import annotations
 
 import json
+import re
 
+import grpc
 import openai
 import pytest
 
@@ -22,6 +24,7 @@ from rsd_runtime.generator import SpeculativeGenerator
 from rsd_runtime.models import load_model
 from rsd_runtime.runner import ModelRunner
 from rsd_runtime.tokenizer import load_tokenizer
+from rsd_wire import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.fixtures.byte_pair import build_byte_pair
 from tests.fixtures.stack import LoopThread
 from verifier_service.config import VerifierConfig
@@ -57,13 +60,13 @@ def stack(tmp_path_factory):
             drafters=f"d0=127.0.0.1:{dport}",
             verifiers=f"v0=127.0.0.1:{vport}",
         )
-        server, _, handle = await create_gateway(config, store=MemorySessionStore(), tokenizer=tokenizer)
+        server, port, handle = await create_gateway(config, store=MemorySessionStore(), tokenizer=tokenizer)
         closers.insert(0, (handle, server))
-        return handle.http.base_url
+        return handle.http.base_url, f"127.0.0.1:{port}"
 
-    base_url = loop.run(start(), timeout_s=120)
+    base_url, address = loop.run(start(), timeout_s=120)
     client = openai.OpenAI(base_url=base_url, api_key="-", max_retries=0, timeout=120)
-    yield client, tokenizer, target
+    yield client, tokenizer, target, address
     for handle, server in closers:
         loop.run(handle.close(server, 0))
     loop.close()
@@ -74,7 +77,7 @@ def chat(client, **kwargs):
 
 
 def test_json_object_output_parses(stack):
-    client, tokenizer, _ = stack
+    client, tokenizer, *_ = stack
     # A random tiny model would wander inside strings for long: a bias toward closing them keeps outputs short.
     closing = {str(tokenizer.convert_tokens_to_ids(c)): 6 for c in ('"', "}")}
     for seed in range(3):
@@ -84,7 +87,7 @@ def test_json_object_output_parses(stack):
 
 
 def test_json_schema_at_temperature_zero_is_the_targets_constrained_greedy(stack):
-    client, tokenizer, target = stack
+    client, tokenizer, target, _ = stack
     fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
     text = chat(client, response_format=fmt, temperature=0).choices[0].message.content
     automaton = AutomatonCache(lambda: tokenizer).get(Constraint("json_schema", json.dumps(SCHEMA)))
@@ -113,3 +116,23 @@ def test_bad_constraints_are_400_naming_the_parameter(stack, body, param):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, extra_body=body)
     assert err.value.body["param"] == param, err.value.body
+
+
+def test_grpc_params_constraint(stack):
+    """The same through the gateway's gRPC API: params.constraint (the gateway fills its start_position)."""
+    address, regex = stack[3], r"(yes|no)[0-9]{2}"
+
+    def generate(constraint: common_pb2.Constraint, seed: int) -> str:
+        params = common_pb2.GenerationParams(method=common_pb2.Method(name="rsd_s", shape="3x3"), seed=seed)
+        params.max_new_tokens, params.sampling.temperature = 40, 1.0
+        params.constraint.CopyFrom(constraint)
+        request = gateway_pb2.GenerateRequest(text="<bos> user yes or no? <eos> <bos> assistant ", params=params)
+        with grpc.insecure_channel(address) as channel:
+            events = list(gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=120))
+        return "".join(e.delta.text for e in events if e.WhichOneof("event") == "delta")
+
+    for seed in range(3):
+        assert re.fullmatch(regex, generate(common_pb2.Constraint(regex=regex), seed))
+    with pytest.raises(grpc.RpcError) as err:
+        generate(common_pb2.Constraint(json_schema="{not json"), 0)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "params.constraint" in err.value.details()
