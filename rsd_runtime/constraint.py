@@ -164,7 +164,7 @@ def token_bytes(tokenizer: Any) -> dict[int, bytes]:
     the automaton's own). ConstraintError for other tokenizers (e.g. word-level: decoding puts spaces
     between tokens that no token holds)."""
     spec = json.loads(tokenizer.backend_tokenizer.to_str())
-    decoder = json.dumps(spec.get("decoder"))
+    decoder = json.dumps(spec.get("decoder"), ensure_ascii=False)
     special = set(tokenizer.all_special_ids)
     vocab = {i: t for t, i in tokenizer.get_vocab().items() if i not in special}
     if '"ByteLevel"' in decoder:

@@ -8,6 +8,8 @@ import re
 
 import pytest
 import torch
+from tokenizers import Tokenizer, decoders, models, normalizers
+from transformers import PreTrainedTokenizerFast
 
 from rsd.constraint import Constraint, ConstraintError
 from rsd.methods import Method
@@ -47,6 +49,20 @@ def test_token_bytes_concatenate_to_the_text_and_word_level_is_refused(byte_pair
     assert EOS not in pieces  # special tokens are the automaton's business
     with pytest.raises(ConstraintError, match="byte-level BPE or SentencePiece"):
         rc.token_bytes(word_tokenizer(16))
+
+
+def test_sentencepiece_pieces_and_byte_fallback():
+    """Llama-2-style: "▁" is a space, "<0xHH>" a byte; the text the automaton reads keeps the leading space."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "▁": 3, "a": 4, "b": 5, "▁a": 6, "<0xC3>": 7, "<0xA9>": 8}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("▁", "a")], unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    pieces = rc.token_bytes(tokenizer)
+    ids = tokenizer.encode("a ba é", add_special_tokens=False)
+    assert b"".join(pieces[i] for i in ids) == " a ba é".encode() and 2 not in pieces
 
 
 def test_bad_regex_and_schema_are_refused(byte_pair):
