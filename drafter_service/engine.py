@@ -45,6 +45,7 @@ import torch
 from drafter_service.config import DrafterConfig
 from drafter_service.verifier_client import VerifyStream, check_verdict, verifier_error
 from rsd.acceptance import Verdict
+from rsd.constraint import Constraint
 from rsd.logprobs import TokenLogprobs
 from rsd.methods import Method
 from rsd.random import StepRandom, Stream
@@ -53,6 +54,7 @@ from rsd.shape_control import CostMeter, Shape, ShapeController, method_for
 from rsd.tree import DraftTree
 from rsd_runtime.attention import check_model
 from rsd_runtime.compute import ComputeThread
+from rsd_runtime.constraint import folder_automata
 from rsd_runtime.engines import Drafter
 from rsd_runtime.generator import Finish, cut_step, finishes
 from rsd_runtime.kvcache import common_prefix_length
@@ -92,6 +94,7 @@ class RunJob:
     verifier_id: str = ""
     num_top_logprobs: int | None = None  # the verdicts carry the tokens' logprobs (params.logprobs); None: not
     shapes: tuple[Shape, ...] = ()  # params.adaptive_shape: the family a ShapeController picks from; () = method's
+    constraint: tuple[Constraint, int] | None = None  # structured output and where its text begins; None: free text
 
 
 @dataclass(frozen=True)
@@ -145,6 +148,7 @@ class DrafterPool:
         check_model(model, config.max_len)  # refuse at start, not at the first session, what trees cannot run exactly
         self.model, self.config = model, config
         self.vocab_size: int = model.config.get_text_config().vocab_size
+        self.automata = folder_automata(config.tokenizer or config.model)  # structured output, loaded at first use
         self._slots: OrderedDict[str, _Slot] = OrderedDict()  # session -> runner, least recently used first
         self._running: dict[str, _Running] = {}
         self.last_attach: dict[str, verifier_pb2.AttachResponse] = {}  # session -> its latest AttachResponse
@@ -237,7 +241,9 @@ class DrafterPool:
             yield StepResult(start, [], None, common_pb2.FINISH_REASON_LENGTH)
             return
         forward = self.packer.forward if self.packer is not None else self._forward
-        drafter = Drafter(slot.runner, self.config.proposal_top_k, self.config.proposal_top_p, forward)
+        # The constraint's automaton may take seconds to build the first time: off the event loop.
+        guide = None if job.constraint is None else await asyncio.to_thread(self.automata.guide, *job.constraint)
+        drafter = Drafter(slot.runner, self.config.proposal_top_k, self.config.proposal_top_p, forward, guide)
         ahead = _Ahead(self, slot, drafter, job) if self.config.predraft else None
         shaper = _Shaper(job) if job.shapes else None
         method, next_tree = job.method if shaper is None else shaper.pick(), None

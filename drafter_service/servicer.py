@@ -20,7 +20,13 @@ from rsd.shape_control import adaptive_family
 from rsd_service.registry import ID_PATTERN, check_id
 from rsd_service.status import abort
 from rsd_wire import drafter_pb2, drafter_pb2_grpc
-from rsd_wire.convert import generation_params_from_proto, num_top_logprobs, rule_from_proto, token_logprobs_to_proto
+from rsd_wire.convert import (
+    constraint_from_proto,
+    generation_params_from_proto,
+    num_top_logprobs,
+    rule_from_proto,
+    token_logprobs_to_proto,
+)
 
 log = logging.getLogger(__name__)
 
@@ -99,4 +105,5 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             verifier_id=request.verifier_id,
             num_top_logprobs=top_logprobs,
             shapes=shapes,
+            constraint=constraint_from_proto(params),
         )

@@ -62,6 +62,8 @@ from gateway.requests import (
 from gateway.store.calls import StoreCalls
 from gateway.store.session import SessionConflict, SessionNotFound, SessionRecord, SessionStatus, SessionStore
 from gateway.text import Detokenizer, StopFilter
+from rsd.constraint import Constraint
+from rsd_runtime.constraint import AutomatonCache
 from rsd_service import security
 from rsd_service.registry import ServiceInfo
 from rsd_wire import common_pb2, drafter_pb2, gateway_pb2, verifier_pb2
@@ -379,6 +381,7 @@ class GatewayEngine:
         self.vocab_size = len(tokenizer)
         self.eos_token_ids = [i for i in [tokenizer.eos_token_id] if i is not None]
         self.chat = ChatTemplate(tokenizer)
+        self.automata = AutomatonCache(lambda: tokenizer)  # structured output (params.constraint)
         self.inputs = InputReader(config, tokenizer, self.chat)
         self.services = ServiceDirectory(store, config)
         self.channels = Channels(security.peer_security(config))
@@ -407,6 +410,16 @@ class GatewayEngine:
             if event.WhichOneof("event") == "finished":
                 return
 
+    async def _check_constraint(self, params: dict[str, Any]) -> None:
+        """Compile the turn's constraint here (cached; seconds the first time: off the event loop), so a bad
+        regex or schema is refused before anything is stored; the constrained text ends at the automaton's EOS."""
+        try:
+            await asyncio.to_thread(self.automata.get, Constraint(*params["constraint"]))
+        except ValueError as e:
+            raise RequestError(f"params.constraint: {e}", "params.constraint") from None
+        if self.tokenizer.eos_token_id not in params["eos_token_ids"]:
+            params["eos_token_ids"] = [*params["eos_token_ids"], self.tokenizer.eos_token_id]
+
     async def _start_turn(self, request: gateway_pb2.GenerateRequest) -> tuple[Turn, gateway_pb2.GenerateEvent]:
         if len(self._turns) >= self.config.max_running_turns:
             raise Overloaded(f"{len(self._turns)} turns are running on this gateway (max_running_turns)")
@@ -426,6 +439,8 @@ class GatewayEngine:
         validate_params(params, self.config, self.inputs.vocab_size)
         chat = request.WhichOneof("input") == "messages"  # a chat turn also ends at the template's end of turn
         params["eos_token_ids"] = self.chat.end_of_turn_ids if chat else self.eos_token_ids
+        if params.get("constraint"):
+            await self._check_constraint(params)
         if params.get("seed") is None:
             params["seed"] = secrets.randbits(63)
         committed_before = 0 if record is None else record.committed_length

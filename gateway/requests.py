@@ -12,12 +12,13 @@ from gateway.chat import ChatTemplate
 from gateway.config import GatewayConfig
 from gateway.errors import ContextLengthExceeded, RequestError
 from gateway.store.session import SessionRecord, SessionStatus
+from rsd.constraint import Constraint
 from rsd.methods import DEFAULT_SHAPES
 from rsd.sampling import SamplingParams
 from rsd.shape_control import adaptive_family
 from rsd_service.registry import ServiceInfo, check_id
 from rsd_wire import common_pb2, gateway_pb2
-from rsd_wire.convert import num_top_logprobs, parse_method, rule_from_proto
+from rsd_wire.convert import constraint_from_proto, constraint_to_proto, num_top_logprobs, parse_method, rule_from_proto
 
 MAX_REQUEST_ID = 128
 MAX_STOP_CHARS = 256
@@ -107,6 +108,7 @@ def default_params(config: GatewayConfig) -> dict[str, Any]:
         "top_logprobs": 0,
         "verification": "token",
         "adaptive_shape": False,
+        "constraint": None,  # structured output: [kind, value] (rsd.constraint.Constraint), the turn's own
     }
 
 
@@ -117,8 +119,15 @@ def merge_params(base: Mapping[str, Any], msg: common_pb2.GenerationParams | Non
     params["logprobs"] = bool(msg is not None and msg.logprobs)
     params["top_logprobs"] = msg.top_logprobs if msg is not None else 0
     params["adaptive_shape"] = bool(msg is not None and msg.adaptive_shape)  # the turn's own too
+    params["constraint"] = None
     if msg is None:
         return params
+    try:
+        constraint = constraint_from_proto(msg)
+    except ValueError as e:
+        raise RequestError(str(e), "params.constraint") from None
+    if constraint is not None:
+        params["constraint"] = [constraint[0].kind, constraint[0].value]
     if msg.HasField("sampling"):
         s = msg.sampling
         if s.HasField("temperature"):
@@ -247,6 +256,9 @@ def params_to_proto(params: Mapping[str, Any]) -> common_pb2.GenerationParams:
     if params.get("seed") is not None:
         msg.seed = int(params["seed"])
     msg.verification = params.get("verification", "token")  # sessions stored before the field: the default
+    if params.get("constraint"):  # the constrained text begins at the turn's first new token
+        constraint = Constraint(*params["constraint"])
+        msg.constraint.CopyFrom(constraint_to_proto(constraint, int(params.get("turn_start", 0))))
     return msg
 
 

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from rsd.acceptance import Rule, Verdict, verify
+from rsd.constraint import Guide, mask_logits
 from rsd.methods import Method
 from rsd.random import Draw, StepRandom
 from rsd.sampling import SamplingParams, logits_to_probs, proposal_probs, sample
@@ -79,8 +80,10 @@ class ModelProposal:
         top_p: float = 1.0,
         stop: Callable[[], bool] | None = None,
         forward: Forward = ModelRunner.forward,
+        guide: Guide | None = None,
     ):
         self.runner, self.committed, self.stop, self.forward = runner, committed, stop, forward
+        self.guide = guide  # structured output: each node's law is masked by its own automaton state
         # Greedy drafting ranks children by the plain softmax of the biased logits (the target's argmax is the
         # biased one); its laws are never used for acceptance.
         self.params = SamplingParams(temperature=1.0, logit_bias=params.logit_bias) if params.greedy else params
@@ -103,6 +106,9 @@ class ModelProposal:
             logits = self.forward(self.runner, token_ids[node_idx], parents)  # [F, V]
             self.tentative_of.update({n: base + i for i, n in enumerate(nodes)})
         self.num_forwards += 1
+        if self.guide is not None:
+            masks = self.guide.tree_masks(self.committed, token_ids, parent_idx, logits.shape[-1], nodes)  # [F, V]
+            logits = mask_logits(logits, masks)
         return _same_prefix_same_law(self.law(logits), token_ids, parent_idx, nodes)
 
     def law(self, logits: Tensor) -> Tensor:
@@ -126,10 +132,17 @@ def _same_prefix_same_law(probs: Tensor, token_ids: Tensor, parent_idx: Tensor, 
 class Drafter:
     """The draft model of one session: drafts trees and follows the verdicts."""
 
-    def __init__(self, runner: ModelRunner, top_k: int = 0, top_p: float = 1.0, forward: Forward = ModelRunner.forward):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        forward: Forward = ModelRunner.forward,
+        guide: Guide | None = None,
+    ):
         # forward: how the runner's forwards run (rsd_runtime.packed.PackedForwards.forward packs them
-        # with other sessions' in the drafter service)
-        self.runner, self.top_k, self.top_p, self.forward = runner, top_k, top_p, forward
+        # with other sessions' in the drafter service); guide: the generation's structured-output constraint
+        self.runner, self.top_k, self.top_p, self.forward, self.guide = runner, top_k, top_p, forward, guide
         # The proposal of the last tree drafted (which tree nodes the runner ran): accept() commits
         # along it. rsd_runtime.predraft swaps it together with the runner's state.
         self.proposal: ModelProposal | None = None
@@ -145,7 +158,9 @@ class Drafter:
         """The next tree; rng: StepRandom(seed, Stream.DRAFT, len(committed) - 1). stop is asked before
         each forward; when it says True the draft raises DraftStopped. The tree is on the CPU (what the
         wire sends); the laws are drawn from on the draft model's device."""
-        self.proposal = ModelProposal(self.runner, committed, params, self.top_k, self.top_p, stop, self.forward)
+        self.proposal = ModelProposal(
+            self.runner, committed, params, self.top_k, self.top_p, stop, self.forward, self.guide
+        )
         return method.draft(self.proposal, committed[-1], rng, params.greedy, device="cpu")
 
     def accept(self, committed_before: list[int], verdict: Verdict) -> None:
@@ -166,11 +181,20 @@ class Verifier:
         self.last_forward_s = 0.0  # of the last verify(): the target forward; the rest is acceptance
 
     def verify(
-        self, committed: list[int], tree: DraftTree, rule: Rule, params: SamplingParams, rng: StepRandom
+        self,
+        committed: list[int],
+        tree: DraftTree,
+        rule: Rule,
+        params: SamplingParams,
+        rng: StepRandom,
+        guide: Guide | None = None,
     ) -> Verdict:
+        """guide: structured output; each node's target law is masked by the state after its path."""
         t = time.perf_counter()
         logits = forward_with_catch_up(self.runner, committed, tree.token_ids, tree.parent_idx)  # [N, V]
         self.last_forward_s = time.perf_counter() - t
+        if guide is not None:
+            logits = mask_logits(logits, guide.tree_masks(committed, tree.token_ids, tree.parent_idx, logits.shape[-1]))
         target_probs = logits_to_probs(logits, params)  # [N, V] float32 at least, on the target's device
         verdict = verify(tree.to(target_probs.device), target_probs, rule, rng)
         offset = self._offset(committed)
@@ -180,9 +204,14 @@ class Verifier:
     def _offset(self, committed: list[int]) -> int:
         return len(committed) - 1 - self.runner.cache_len
 
-    def step_autoregressive(self, committed: list[int], params: SamplingParams, rng: StepRandom) -> int:
+    def step_autoregressive(
+        self, committed: list[int], params: SamplingParams, rng: StepRandom, guide: Guide | None = None
+    ) -> int:
         """The target alone: one token from its law at the root (the draw (Draw.TOKEN, node 0))."""
-        logits = forward_with_catch_up(self.runner, committed, torch.tensor(committed[-1:]), torch.tensor([-1]))
+        root = torch.tensor(committed[-1:])
+        logits = forward_with_catch_up(self.runner, committed, root, torch.tensor([-1]))  # [1, V]
+        if guide is not None:
+            logits = mask_logits(logits, guide.tree_masks(committed, root, torch.tensor([-1]), logits.shape[-1]))
         zero = torch.zeros((), dtype=torch.long, device=logits.device)
         token = int(sample(logits_to_probs(logits[0], params), rng.uniform(Draw.TOKEN, zero, zero)))
         self.runner.commit(list(range(self._offset(committed) + 1)))

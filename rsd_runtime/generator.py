@@ -20,6 +20,7 @@ from enum import Enum
 from functools import partial
 
 from rsd.acceptance import Rule, Verdict
+from rsd.constraint import Guide, TokenAutomaton
 from rsd.methods import Method
 from rsd.random import StepRandom, Stream
 from rsd.sampling import SamplingParams
@@ -124,6 +125,7 @@ class SpeculativeGenerator:
         self.verifier = Verifier(target)
         self.drafter = Drafter(draft, draft_top_k, draft_top_p) if draft is not None else None
         self._next_tree: DraftTree | None = None
+        self.guide: Guide | None = None  # the constraint of the generation running
 
     def generate(
         self,
@@ -134,8 +136,10 @@ class SpeculativeGenerator:
         eos_token_ids: tuple[int, ...] = (),
         seed: int = 0,
         verification: str = "token",
+        constraint: TokenAutomaton | None = None,
     ) -> GenerationResult:
-        """verification: which exact rule judges the trees ("token", "traversal", "block"; rsd.methods)."""
+        """verification: which exact rule judges the trees ("token", "traversal", "block"; rsd.methods).
+        constraint: structured output (rsd.constraint); the new tokens follow it, every law masked per node."""
         params = params or SamplingParams()
         if not prompt_ids:
             raise ValueError("the prompt needs at least one token")
@@ -146,13 +150,16 @@ class SpeculativeGenerator:
         for runner in runners:
             runner.reset()
         self._next_tree = None
+        self.guide = None if constraint is None else Guide(constraint, len(prompt_ids))
+        if self.drafter is not None:
+            self.drafter.guide = self.guide
         stats = GenerationStats(method.name if method else "ar", rule.name if rule else "")
         committed, start, t0 = list(prompt_ids), len(prompt_ids), time.perf_counter()
         while len(committed) - start < max_new_tokens:
             if method is None:
                 t = time.perf_counter()
                 rng = StepRandom(seed, Stream.VERIFY, len(committed) - 1)
-                new = [self.verifier.step_autoregressive(committed, params, rng)]
+                new = [self.verifier.step_autoregressive(committed, params, rng, self.guide)]
                 stats.verify_s += time.perf_counter() - t
             else:
                 budget = max_new_tokens - (len(committed) - start)
@@ -188,7 +195,7 @@ class SpeculativeGenerator:
         self.before_verify(Step(committed, tree, method, params, seed, finishes))
         t_verify = time.perf_counter()
         rng = StepRandom(seed, Stream.VERIFY, root_position)
-        verdict = self.verifier.verify(committed, tree, rule, params, rng)
+        verdict = self.verifier.verify(committed, tree, rule, params, rng, self.guide)
         t_accept = time.perf_counter()
         self._next_tree = self.after_verdict(committed, verdict, stats)
         if self._next_tree is None:

@@ -53,6 +53,7 @@ import torch
 from torch import Tensor
 
 from rsd.acceptance import Verdict
+from rsd.constraint import mask_logits
 from rsd.methods import Method
 from rsd.random import StepRandom, Stream
 from rsd.sampling import SamplingParams
@@ -233,7 +234,7 @@ class PreDrafter:
         forwards run). Safe in a thread of its own: it reads the drafter's runner, writes the shadow."""
         shadow.copy_from(self.runner, self._synced.get(shadow, 0))
         self._synced[shadow] = self.runner.cache_len  # committed: neither changes it before the verdict
-        drafter = Drafter(shadow, self.drafter.top_k, self.drafter.top_p, self.drafter.forward)
+        drafter = Drafter(shadow, self.drafter.top_k, self.drafter.top_p, self.drafter.forward, self.drafter.guide)
         try:
             prefix, tree = self._draft_for(drafter, outcome, stop)
         except DraftStopped:
@@ -275,6 +276,12 @@ class PreDrafter:
         ran = self.sent.tentative_of
         parents = torch.tensor([ran[int(self.tree.parent_idx[n])] for n in leaves])
         logits = self.drafter.forward(runner, self.tree.token_ids[leaves], parents)  # [F, V]
+        guide = self.drafter.guide
+        if guide is not None:  # structured output: only outcomes the constraint allows are worth drafting
+            tree = self.tree
+            logits = mask_logits(
+                logits, guide.tree_masks(self.committed, tree.token_ids, tree.parent_idx, logits.shape[-1], leaves)
+            )
         self.num_forwards += 1
         self.runner.restore(self.base)
         return dict(zip(leaves, self.sent.law(logits), strict=True))

@@ -109,6 +109,9 @@ class ModelServiceConfig(ServiceConfig):
     device: str = "cpu"
     dtype: str = "float32"
     attn_implementation: str = "auto"
+    # The folder whose tokenizer structured output's automata read ("" = the model folder); loaded at the
+    # first request with params.constraint (rsd_runtime.constraint).
+    tokenizer: str = ""
     # KV capacity per session, in tokens: committed prefix + one tree.
     max_len: int = 2048
     # Registry: "" = do not register; else a redis:// URL. The entry is refreshed every heartbeat_s

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from rsd.acceptance import Rule, Verdict
+from rsd.constraint import Constraint
 from rsd.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
 from rsd.methods import VERIFICATIONS, Method
 from rsd.sampling import SamplingParams, nonzero_ids
@@ -383,3 +384,35 @@ def rule_from_proto(msg: common_pb2.GenerationParams, sampling: SamplingParams, 
         return method.rule(sampling.greedy, verification)
     except ValueError as e:
         raise ValueError(f"params.verification: {e}") from None
+
+
+MAX_CONSTRAINT_CHARS = 100_000  # a regex or schema longer than this is refused before anything compiles it
+
+
+def constraint_from_proto(msg: common_pb2.GenerationParams) -> tuple[Constraint, int] | None:
+    """params.constraint as (Constraint, start position), None when unset; ValueError names the field. Whether
+    the regex or schema compiles is the runtime's to say (rsd_runtime.constraint)."""
+    if not msg.HasField("constraint"):
+        return None
+    c = msg.constraint
+    kind = c.WhichOneof("kind")
+    if kind is None:
+        raise ValueError("params.constraint: set one of regex, json_schema, json_object")
+    value = "" if kind == "json_object" else getattr(c, kind)
+    if kind == "json_object" and not c.json_object:
+        raise ValueError("params.constraint.json_object: must be true when set")
+    if len(value) > MAX_CONSTRAINT_CHARS:
+        raise ValueError(f"params.constraint.{kind}: at most {MAX_CONSTRAINT_CHARS} characters, got {len(value)}")
+    try:
+        return Constraint(kind, value), c.start_position
+    except ValueError as e:
+        raise ValueError(f"params.constraint.{kind}: {e}") from None
+
+
+def constraint_to_proto(constraint: Constraint, start_position: int) -> common_pb2.Constraint:
+    msg = common_pb2.Constraint(start_position=start_position)
+    if constraint.kind == "json_object":
+        msg.json_object = True
+    else:
+        setattr(msg, constraint.kind, constraint.value)
+    return msg

@@ -30,6 +30,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from rsd.acceptance import Rule, Verdict, verify
+from rsd.constraint import Guide, mask_logits
 from rsd.logprobs import TokenLogprobs, emitted_rows, token_logprobs
 from rsd.random import StepRandom
 from rsd.sampling import SamplingParams, logits_to_probs
@@ -70,6 +71,8 @@ class VerifyRequest:
     rng: StepRandom | None = None
     # Return the emitted tokens' log-probabilities with this many top tokens each (0..20); None: none.
     num_top_logprobs: int | None = None
+    # Structured output: each node's target law is masked by the automaton's state after its path.
+    guide: Guide | None = None
 
     def check_rng(self) -> None:
         """ValueError when a sampling request comes without its draws."""
@@ -151,7 +154,12 @@ class VerifierPool:
         errors: dict[str, Exception] = {}
         for req, seg, lg in zip(requests, segments, logits, strict=True):
             try:
-                probs = logits_to_probs(lg, req.params)  # [N, V] float32 at least, on the target's device
+                masked = lg
+                if req.guide is not None:
+                    tree = req.tree
+                    masks = req.guide.tree_masks(req.committed_ids, tree.token_ids, tree.parent_idx, lg.shape[-1])
+                    masked = mask_logits(lg, masks)  # [N, V]
+                probs = logits_to_probs(masked, req.params)  # [N, V] float32 at least, on the target's device
                 verdict = _scored(verify(req.tree.to(probs.device), probs, req.rule, req.rng), lg, req)
             except Exception as e:  # one bad tree must not cost the others their step
                 verdicts.append(None)

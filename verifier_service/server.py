@@ -18,6 +18,7 @@ from grpc_health.v1 import health
 
 from rsd_runtime.attention import UnsupportedModelError
 from rsd_runtime.compute import service_compute, single_threaded
+from rsd_runtime.constraint import folder_automata
 from rsd_runtime.models import load_model
 from rsd_service.metrics import VerifierMetrics
 from rsd_service.placement import Placement, PlacementError, apply_placement
@@ -108,7 +109,10 @@ async def create_server(
         compute.close()
         raise
     batcher = Batcher(engine, config.max_batch_nodes, config.batch_wait_ms, config.batching, compute)
-    servicer = VerifierServicer(engine, batcher, config.verifier_id, config.max_tree_nodes, config.attach_grace_s)
+    automata = folder_automata(config.tokenizer or config.model)  # structured output, loaded at first use
+    servicer = VerifierServicer(
+        engine, batcher, config.verifier_id, config.max_tree_nodes, config.attach_grace_s, automata
+    )
     metrics = VerifierMetrics(servicer, batcher)
     server, port, health_servicer = await start_service(
         config, (verifier_pb2_grpc.add_VerifierServicer_to_server, servicer), SERVICE_NAME, metrics

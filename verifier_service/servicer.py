@@ -24,13 +24,16 @@ from dataclasses import dataclass, field
 import grpc
 
 from rsd.acceptance import Rule
+from rsd.constraint import Guide
 from rsd.methods import Method
 from rsd.random import StepRandom, Stream
 from rsd.sampling import SamplingParams
+from rsd_runtime.constraint import AutomatonCache, folder_automata
 from rsd_service.registry import check_id
 from rsd_service.status import RpcError, abort
 from rsd_wire import common_pb2, verifier_pb2, verifier_pb2_grpc
 from rsd_wire.convert import (
+    constraint_from_proto,
     draft_tree_from_proto,
     generation_params_from_proto,
     num_top_logprobs,
@@ -55,6 +58,7 @@ class _Session:
     seed: int  # acceptance draws: StepRandom(seed, Stream.VERIFY, root_position)
     cached_at_attach: int  # AttachResponse.cached_length_tokens
     num_top_logprobs: int | None = None  # verdicts carry logprobs with this many top tokens; None: none
+    guide: Guide | None = None  # structured output (params.constraint)
     last_tree: bytes = b""  # the last verified DraftTree, serialized, and its verdict
     last_verdict: verifier_pb2.Verdict | None = None
     num_steps: int = 0
@@ -63,9 +67,16 @@ class _Session:
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def __init__(
-        self, engine: VerifierPool, batcher: Batcher, verifier_id: str, max_tree_nodes: int, attach_grace_s: float
+        self,
+        engine: VerifierPool,
+        batcher: Batcher,
+        verifier_id: str,
+        max_tree_nodes: int,
+        attach_grace_s: float,
+        automata: AutomatonCache | None = None,
     ):
         self.engine, self.batcher = engine, batcher
+        self.automata = automata or folder_automata("")  # structured output's automata (params.constraint)
         batcher.open_sessions = lambda: self.num_open_streams
         self.verifier_id, self.max_tree_nodes = verifier_id, max_tree_nodes
         self.attach_grace_s = attach_grace_s  # VerifierConfig.attach_grace_s
@@ -108,6 +119,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         top_logprobs = num_top_logprobs(request.params)
         params.check_vocab(vocab)
         rule = rule_from_proto(request.params, params, method)  # params.verification
+        constraint = constraint_from_proto(request.params)  # the automaton may take seconds: off the event loop
+        guide = None if constraint is None else await asyncio.to_thread(self.automata.guide, *constraint)
         async with self.batcher.engine_lock:  # the engine is not thread-safe; the batcher's forward holds it
             current = self.sessions.get(sid)
             if current is not None and request.epoch < current.epoch:
@@ -137,6 +150,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 seed=seed,
                 cached_at_attach=cached,
                 num_top_logprobs=top_logprobs,
+                guide=guide,
             )
             self._last_used[sid] = time.monotonic()
         log.info("attached %s epoch %d: %d committed, %d cached", sid, request.epoch, len(committed), cached)
@@ -230,7 +244,14 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 )
             rng = StepRandom(session.seed, Stream.VERIFY, root_position)
             request = VerifyRequest(
-                sid, list(session.committed), tree, session.rule, session.params, rng, session.num_top_logprobs
+                sid,
+                list(session.committed),
+                tree,
+                session.rule,
+                session.params,
+                rng,
+                session.num_top_logprobs,
+                session.guide,
             )
             num_new = root_position - self.engine.cached_length(sid) + tree.num_nodes  # prefill chain + tree
             serialized = msg.SerializeToString(deterministic=True)

@@ -144,6 +144,8 @@ def _public_param(error: RequestError, body: Any) -> str | None:
         return next((p for p in ("temperature", "top_k", "top_p", "logit_bias") if reason.startswith(p)), None)
     if error.field == "params.top_logprobs":
         return "top_logprobs" if chat else "logprobs"
+    if error.field == "params.constraint":
+        return "structured_outputs" if getattr(body, "structured_outputs", None) is not None else "response_format"
     if error.field == "params.max_new_tokens" and chat and body.max_completion_tokens is not None:
         return "max_completion_tokens"
     return _PUBLIC.get(error.field)

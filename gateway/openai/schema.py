@@ -11,6 +11,8 @@ its events by `Reply`. What is supported of OpenAI's API:
     chat.completions  messages (role: system, developer, user, assistant or tool (with tool_call_id);
                       content: a string or text parts, required; name: passed to the chat template),
                       max_completion_tokens, logprobs, top_logprobs (0..20, with logprobs)
+    structured output  response_format (OpenAI's: text, json_object, json_schema with json_schema.schema) or
+              structured_outputs (vLLM's extra field: regex, json, choice), one of the two (rsd.constraint)
     rsd's own (extra body fields): method, shape, top_k, session_id (continue that session: its
     committed tokens, then this request's prompt or messages), verification ("token", "traversal",
     "block": the exact rule that verifies the trees, rsd.methods)
@@ -21,6 +23,8 @@ a field that changes sampling must not be dropped.
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -28,11 +32,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from rsd.constraint import Constraint
 from rsd.logprobs import MAX_TOP_LOGPROBS
 from rsd.sampling import MAX_LOGIT_BIAS
 from rsd_service.client import build_params
 from rsd_wire import common_pb2, gateway_pb2
-from rsd_wire.convert import parse_method, token_logprobs_from_proto
+from rsd_wire.convert import constraint_to_proto, parse_method, token_logprobs_from_proto
 
 MAX_CHOICES = 16  # n: each choice is a session of its own (a turn against max_running_turns)
 
@@ -64,6 +69,57 @@ def _only(value: Any, allowed: Any, name: str) -> Any:
     return value
 
 
+class JsonSchemaFormat(_Body):
+    """response_format.json_schema: OpenAI's; `strict` is accepted (the output follows the schema either way)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only there")
+        return self
+
+
+class StructuredOutputs(_Body):
+    """vLLM's structured_outputs extra field (regex, json, choice; one of them). Its grammar and structural_tag
+    are not served: refused as unknown fields."""
+
+    regex: str | None = None
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    choice: list[str] | None = Field(None, min_length=1)
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _one(self) -> StructuredOutputs:
+        if sum(v is not None for v in (self.regex, self.json_, self.choice)) != 1:
+            raise ValueError("give exactly one of regex, json, choice")
+        return self
+
+    def constraint(self) -> Constraint:
+        if self.regex is not None:
+            return Constraint("regex", self.regex)
+        if self.choice is not None:  # one of the strings, literally
+            return Constraint("regex", "|".join(_regex_literal(c) for c in self.choice))
+        schema = self.json_ if isinstance(self.json_, str) else json.dumps(self.json_)
+        return Constraint("json_schema", schema)
+
+
+def _regex_literal(text: str) -> str:
+    """text as a regex matching itself (outlines-core's syntax escapes as Python's re does)."""
+    return "(" + re.escape(text) + ")"
+
+
 class _GenerateBody(_Body):
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -84,6 +140,26 @@ class _GenerateBody(_Body):
     session_id: str | None = None
     verification: str | None = None  # "token", "traversal" or "block"; the gateway checks it (params.verification)
     logit_bias: dict[str, float] | None = None  # OpenAI's
+    response_format: ResponseFormat | None = None  # OpenAI's
+    structured_outputs: StructuredOutputs | None = None  # vLLM's
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> _GenerateBody:
+        fmt = self.response_format
+        if self.structured_outputs is not None and fmt is not None and fmt.type != "text":
+            raise ValueError("give response_format or structured_outputs, not both")
+        return self
+
+    def constraint(self) -> Constraint | None:
+        """The structured output asked for, if any."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs.constraint()
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return Constraint("json_object")
+        return Constraint("json_schema", json.dumps(fmt.json_schema.json_schema))
 
     @field_validator("logit_bias")
     @classmethod
@@ -167,6 +243,9 @@ class _GenerateBody(_Body):
         )
         if params is not None:
             request.params.CopyFrom(params)
+        constraint = self.constraint()
+        if constraint is not None:  # the gateway sets where the text begins
+            request.params.constraint.CopyFrom(constraint_to_proto(constraint, 0))
         return request
 
 
