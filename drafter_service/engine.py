@@ -90,6 +90,11 @@ class RunJob:
     verifier_address: str
     verifier_id: str = ""
     num_top_logprobs: int | None = None  # the verdicts carry the tokens' logprobs (params.logprobs); None: not
+    output_start: int | None = None  # where the turn's output starts in committed_ids (the penalties'); None: after
+
+    @property
+    def output_position(self) -> int:
+        return len(self.committed_ids) if self.output_start is None else self.output_start
 
 
 @dataclass(frozen=True)
@@ -235,7 +240,9 @@ class DrafterPool:
             yield StepResult(start, [], None, common_pb2.FINISH_REASON_LENGTH)
             return
         forward = self.packer.forward if self.packer is not None else self._forward
-        drafter = Drafter(slot.runner, self.config.proposal_top_k, self.config.proposal_top_p, forward)
+        drafter = Drafter(
+            slot.runner, self.config.proposal_top_k, self.config.proposal_top_p, forward, job.output_position
+        )
         ahead = _Ahead(self, slot, drafter, job) if self.config.predraft else None
         next_tree = None
         async with channel(job.verifier_address, self.verifier_security) as verifier_channel:
@@ -342,7 +349,11 @@ class DrafterPool:
 
     async def _attach(self, stub: verifier_pb2_grpc.VerifierStub, job: RunJob) -> None:
         request = verifier_pb2.AttachRequest(
-            session_id=job.session_id, epoch=job.epoch, committed_token_ids=job.committed_ids, params=job.params
+            session_id=job.session_id,
+            epoch=job.epoch,
+            committed_token_ids=job.committed_ids,
+            params=job.params,
+            output_start_position=job.output_position,
         )
         try:
             reply = await stub.Attach(request, timeout=self.config.attach_timeout_s)

@@ -19,7 +19,13 @@ from drafter_service.engine import DrafterPool, RunJob
 from rsd_service.registry import ID_PATTERN, check_id
 from rsd_service.status import abort
 from rsd_wire import drafter_pb2, drafter_pb2_grpc
-from rsd_wire.convert import generation_params_from_proto, num_top_logprobs, rule_from_proto, token_logprobs_to_proto
+from rsd_wire.convert import (
+    generation_params_from_proto,
+    num_top_logprobs,
+    output_start_from_proto,
+    rule_from_proto,
+    token_logprobs_to_proto,
+)
 
 log = logging.getLogger(__name__)
 
@@ -91,4 +97,5 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             verifier_address=request.verifier_address,
             verifier_id=request.verifier_id,
             num_top_logprobs=top_logprobs,
+            output_start=output_start_from_proto(request),
         )

@@ -145,6 +145,9 @@ class SpeculativeGenerator:
         runners = [self.verifier.runner] + ([self.drafter.runner] if self.drafter else [])
         for runner in runners:
             runner.reset()
+        for engine in (self.verifier, self.drafter):  # the penalties count output from here (rsd.penalties)
+            if engine is not None:
+                engine.output_start = len(prompt_ids)
         self._next_tree = None
         stats = GenerationStats(method.name if method else "ar", rule.name if rule else "")
         committed, start, t0 = list(prompt_ids), len(prompt_ids), time.perf_counter()

@@ -233,7 +233,9 @@ class PreDrafter:
         forwards run). Safe in a thread of its own: it reads the drafter's runner, writes the shadow."""
         shadow.copy_from(self.runner, self._synced.get(shadow, 0))
         self._synced[shadow] = self.runner.cache_len  # committed: neither changes it before the verdict
-        drafter = Drafter(shadow, self.drafter.top_k, self.drafter.top_p, self.drafter.forward)
+        drafter = Drafter(
+            shadow, self.drafter.top_k, self.drafter.top_p, self.drafter.forward, self.drafter.output_start
+        )
         try:
             prefix, tree = self._draft_for(drafter, outcome, stop)
         except DraftStopped:
@@ -277,7 +279,8 @@ class PreDrafter:
         logits = self.drafter.forward(runner, self.tree.token_ids[leaves], parents)  # [F, V]
         self.num_forwards += 1
         self.runner.restore(self.base)
-        return dict(zip(leaves, self.sent.law(logits), strict=True))
+        laws = self.sent.law(logits, self.tree.token_ids, self.tree.parent_idx, torch.tensor(leaves))  # [F, V]
+        return dict(zip(leaves, laws, strict=True))
 
 
 class PipelinedGenerator(SpeculativeGenerator):

@@ -31,6 +31,7 @@ from transformers import PreTrainedModel
 
 from rsd.acceptance import Rule, Verdict, verify
 from rsd.logprobs import TokenLogprobs, emitted_rows, token_logprobs
+from rsd.penalties import TokenCounts, counts_at
 from rsd.random import StepRandom
 from rsd.sampling import SamplingParams, logits_to_probs
 from rsd.tree import DraftTree, node_depths, tree_attention_mask, validate_tree
@@ -70,6 +71,9 @@ class VerifyRequest:
     rng: StepRandom | None = None
     # Return the emitted tokens' log-probabilities with this many top tokens each (0..20); None: none.
     num_top_logprobs: int | None = None
+    # committed_ids[output_start:] is the turn's output, which the penalties count (rsd.penalties); None:
+    # unknown (refused when the params have penalties).
+    output_start: int | None = None
 
     def check_rng(self) -> None:
         """ValueError when a sampling request comes without its draws."""
@@ -151,7 +155,7 @@ class VerifierPool:
         errors: dict[str, Exception] = {}
         for req, seg, lg in zip(requests, segments, logits, strict=True):
             try:
-                probs = logits_to_probs(lg, req.params)  # [N, V] float32 at least, on the target's device
+                probs = logits_to_probs(lg, req.params, _node_counts(req, lg))  # [N, V] float32 at least
                 verdict = _scored(verify(req.tree.to(probs.device), probs, req.rule, req.rng), lg, req)
             except Exception as e:  # one bad tree must not cost the others their step
                 verdicts.append(None)
@@ -255,6 +259,21 @@ class VerifierPool:
         keep = list(range(m + 1)) + [m + n for n in verdict.accepted_idx]  # offsets inside the segment
         self.cache.commit(seg.slot, seg.cached, keep)
         self._cached[seg.slot] = req.committed_ids + verdict.accepted_ids
+
+
+def _node_counts(req: VerifyRequest, logits: Tensor) -> TokenCounts | None:
+    """The penalties' counts at every node of req's tree, each along its own path (rsd.penalties)."""
+    tree, nodes, vocab_size = req.tree, torch.arange(req.tree.num_nodes), logits.shape[-1]
+    return counts_at(
+        req.params.penalties,
+        req.committed_ids,
+        req.output_start,
+        tree.token_ids,
+        tree.parent_idx,
+        nodes,
+        vocab_size,
+        logits.device,
+    )
 
 
 def _scored(verdict: Verdict, logits: Tensor, req: VerifyRequest) -> ScoredVerdict:

@@ -34,6 +34,7 @@ from rsd_wire.convert import (
     draft_tree_from_proto,
     generation_params_from_proto,
     num_top_logprobs,
+    output_start_from_proto,
     rule_from_proto,
     token_logprobs_to_proto,
     verdict_to_proto,
@@ -55,6 +56,7 @@ class _Session:
     seed: int  # acceptance draws: StepRandom(seed, Stream.VERIFY, root_position)
     cached_at_attach: int  # AttachResponse.cached_length_tokens
     num_top_logprobs: int | None = None  # verdicts carry logprobs with this many top tokens; None: none
+    output_start: int = 0  # committed[output_start:] is the turn's output (the penalties count it)
     last_tree: bytes = b""  # the last verified DraftTree, serialized, and its verdict
     last_verdict: verifier_pb2.Verdict | None = None
     num_steps: int = 0
@@ -108,6 +110,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         top_logprobs = num_top_logprobs(request.params)
         params.check_vocab(vocab)
         rule = rule_from_proto(request.params, params, method)  # params.verification
+        output_start = output_start_from_proto(request)
         async with self.batcher.engine_lock:  # the engine is not thread-safe; the batcher's forward holds it
             current = self.sessions.get(sid)
             if current is not None and request.epoch < current.epoch:
@@ -137,6 +140,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 seed=seed,
                 cached_at_attach=cached,
                 num_top_logprobs=top_logprobs,
+                output_start=output_start,
             )
             self._last_used[sid] = time.monotonic()
         log.info("attached %s epoch %d: %d committed, %d cached", sid, request.epoch, len(committed), cached)
@@ -230,7 +234,14 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 )
             rng = StepRandom(session.seed, Stream.VERIFY, root_position)
             request = VerifyRequest(
-                sid, list(session.committed), tree, session.rule, session.params, rng, session.num_top_logprobs
+                sid,
+                list(session.committed),
+                tree,
+                session.rule,
+                session.params,
+                rng,
+                session.num_top_logprobs,
+                session.output_start,
             )
             num_new = root_position - self.engine.cached_length(sid) + tree.num_nodes  # prefill chain + tree
             serialized = msg.SerializeToString(deterministic=True)

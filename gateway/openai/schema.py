@@ -4,16 +4,15 @@ Requests turn into the gateway's own GenerateRequest (`to_generate_request`); re
 its events by `Reply`. What is supported of OpenAI's API:
     both      model, max_tokens, temperature, top_p, seed, stop (a string or a list), stream,
               stream_options.include_usage, n (1..16: n sessions, seeds seed, seed + 1, ...), user (ignored),
-              presence_penalty and
-              frequency_penalty (0 only), logit_bias (token id -> bias in [-100, 100])
+              presence_penalty and frequency_penalty (in [-2, 2]), logit_bias (token id -> bias in [-100, 100])
     completions       prompt (a string or token ids; one prompt), echo (false), logprobs (0..20),
                       suffix (null), best_of (1)
     chat.completions  messages (role: system, developer, user, assistant or tool (with tool_call_id);
                       content: a string or text parts, required; name: passed to the chat template),
                       max_completion_tokens, logprobs, top_logprobs (0..20, with logprobs)
-    rsd's own (extra body fields): method, shape, top_k, session_id (continue that session: its
-    committed tokens, then this request's prompt or messages), verification ("token", "traversal",
-    "block": the exact rule that verifies the trees, rsd.methods)
+    rsd's own (extra body fields): method, shape, top_k, repetition_penalty (> 0, 1 = off; vLLM's), session_id
+    (continue that session: its committed tokens, then this request's prompt or messages), verification ("token",
+    "traversal", "block": the exact rule that verifies the trees, rsd.methods)
     /tokenize, /detokenize  vLLM's bodies (TokenizeCompletionRequest / TokenizeChatRequest, DetokenizeRequest)
 A null is the field's default, as OpenAI and vLLM read it. Anything else is refused (400), never silently ignored:
 a field that changes sampling must not be dropped.
@@ -29,7 +28,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from rsd.logprobs import MAX_TOP_LOGPROBS
-from rsd.sampling import MAX_LOGIT_BIAS
+from rsd.sampling import MAX_LOGIT_BIAS, MAX_PENALTY
 from rsd_service.client import build_params
 from rsd_wire import common_pb2, gateway_pb2
 from rsd_wire.convert import parse_method, token_logprobs_from_proto
@@ -75,9 +74,10 @@ class _GenerateBody(_Body):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     user: str | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)  # rsd.penalties
+    frequency_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     # rsd's own
+    repetition_penalty: float | None = Field(None, gt=0)  # vLLM's extra parameter
     method: str | None = None
     shape: str | None = None
     top_k: int | None = Field(None, ge=0)
@@ -111,11 +111,6 @@ class _GenerateBody(_Body):
         if session_id and info.data.get("n", 1) > 1:
             raise ValueError("n > 1 starts n new sessions: it cannot continue one")
         return session_id
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float) -> float:
-        return _only(value, 0.0, "a penalty")
 
     @property
     def include_usage(self) -> bool:
@@ -164,6 +159,7 @@ class _GenerateBody(_Body):
             bias,
             self.num_top_logprobs,
             verification=self.verification,
+            penalties=(self.presence_penalty, self.frequency_penalty, self.repetition_penalty),
         )
         if params is not None:
             request.params.CopyFrom(params)
