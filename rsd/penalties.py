@@ -38,50 +38,56 @@ class Penalties:
 
 @dataclass(frozen=True)
 class TokenCounts:
-    """What the penalties read at F rows (tree nodes): seen_mask [F, V] bool (in the prompt or the output)
-    and output_counts [F, V] (times each token was generated)."""
+    """What the penalties read at F rows (tree nodes), over the U distinct tokens that occur at all (the
+    penalties leave every other logit as it is, so a row costs U entries, not V):
+        token_ids      [U]     int64, increasing
+        seen_mask      [F, U]  bool: in the prompt or the output before the row's node
+        output_counts  [F, U]  int64: times generated before it (the output)
+    """
 
+    token_ids: Tensor
     seen_mask: Tensor
     output_counts: Tensor
 
 
-def session_counts(committed_ids: list[int], output_start: int, vocab_size: int, device=None) -> TokenCounts:
-    """The counts after the committed tokens, one row [1, V]; committed_ids[output_start:] are output."""
+def session_counts(committed_ids: list[int], output_start: int, device=None) -> TokenCounts:
+    """The counts after the committed tokens, one row [1, U]; committed_ids[output_start:] are output."""
     if not 0 <= output_start <= len(committed_ids):
         raise ValueError(f"output_start {output_start} outside [0, {len(committed_ids)}]")
     ids = torch.tensor(committed_ids, dtype=torch.long, device=device)  # [T]
-    seen = torch.zeros(1, vocab_size, dtype=torch.bool, device=device)
-    seen[0, ids] = True
-    counts = torch.bincount(ids[output_start:], minlength=vocab_size)[None]  # [1, V] int64
-    return TokenCounts(seen, counts)
+    token_ids, col = torch.unique(ids, return_inverse=True)  # [U], [T]
+    counts = torch.bincount(col[output_start:], minlength=token_ids.shape[0])[None]  # [1, U]
+    return TokenCounts(token_ids, torch.ones_like(counts, dtype=torch.bool), counts)
 
 
 def node_counts(session: TokenCounts, token_ids: Tensor, parent_idx: Tensor, node_idx: Tensor) -> TokenCounts:
     """The counts at nodes node_idx [F] of a tree (token_ids, parent_idx) [N] whose root is the last committed
     token: the session's plus the draft tokens on the path root -> node (node included, root excluded: it is
-    committed already). One row per node [F, V], on the session counts' device."""
-    device = session.output_counts.device
+    committed already). One row per node [F, U'], U' the session's tokens and the tree's, on the session's device."""
+    device = session.token_ids.device
+    path_ids = token_ids[1:].to(device)  # [N-1]
+    union = torch.unique(torch.cat([session.token_ids, path_ids]))  # [U']
     on_path = tree_attention_mask(parent_idx.cpu())[node_idx.cpu(), 1:].to(device)  # [F, N-1] ancestors or self
-    num_rows = on_path.shape[0]
-    path_ids = token_ids[1:].to(device).expand(num_rows, -1)  # [F, N-1]
-    counts = session.output_counts.expand(num_rows, -1).clone()  # [F, V]
-    counts.scatter_add_(1, path_ids, on_path.to(counts.dtype))
-    seen = session.seen_mask | (counts > 0)  # [F, V]
-    return TokenCounts(seen, counts)
+    num_rows, old_col = on_path.shape[0], torch.searchsorted(union, session.token_ids)  # [U]
+    counts = torch.zeros(num_rows, union.shape[0], dtype=torch.long, device=device)  # [F, U']
+    counts[:, old_col] = session.output_counts
+    counts.scatter_add_(1, torch.searchsorted(union, path_ids).expand(num_rows, -1), on_path.long())
+    seen = torch.zeros_like(counts, dtype=torch.bool)
+    seen[:, old_col] = session.seen_mask
+    return TokenCounts(union, seen | (counts > 0), counts)
 
 
 def penalised(logits: Tensor, penalties: Penalties, counts: TokenCounts) -> Tensor:
-    """logits [F, V] (float) after the penalties at F rows with these counts [F, V]; a new tensor."""
+    """logits [F, V] (float) after the penalties at F rows with these counts [F, U]; a new tensor."""
+    cols = counts.token_ids  # [U]
+    x = logits[:, cols]  # [F, U]
     if penalties.repetition != 1:
         r = penalties.repetition
-        logits = torch.where(counts.seen_mask, torch.where(logits > 0, logits / r, logits * r), logits)
-    elif penalties.on:
-        logits = logits.clone()
-    c = counts.output_counts.to(logits.dtype)  # [F, V]
-    if penalties.frequency:
-        logits -= penalties.frequency * c
-    if penalties.presence:
-        logits -= penalties.presence * (c > 0).to(logits.dtype)
+        x = torch.where(counts.seen_mask, torch.where(x > 0, x / r, x * r), x)
+    c = counts.output_counts.to(x.dtype)  # [F, U]
+    x = x - penalties.frequency * c - penalties.presence * (c > 0).to(x.dtype)
+    logits = logits.clone()
+    logits[:, cols] = x
     return logits
 
 
@@ -92,7 +98,6 @@ def counts_at(
     token_ids: Tensor,
     parent_idx: Tensor,
     node_idx: Tensor,
-    vocab_size: int,
     device=None,
 ) -> TokenCounts | None:
     """node_counts at nodes node_idx [F] of the tree (token_ids, parent_idx) [N] drafted after committed_ids,
@@ -101,5 +106,4 @@ def counts_at(
         return None
     if output_start is None:  # guessing it would penalise the wrong tokens: a bug in the caller, refused
         raise ValueError("penalties need the position where the output starts (output_start)")
-    session = session_counts(committed_ids, output_start, vocab_size, device)
-    return node_counts(session, token_ids, parent_idx, node_idx)
+    return node_counts(session_counts(committed_ids, output_start, device), token_ids, parent_idx, node_idx)

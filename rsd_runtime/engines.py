@@ -112,14 +112,9 @@ class ModelProposal:
     def law(self, logits: Tensor, token_ids: Tensor, parent_idx: Tensor, node_idx: Tensor) -> Tensor:
         """The proposal law at nodes node_idx [F] of the tree (token_ids, parent_idx), from their draft logits
         [F, V] -> [F, V]: the sampling transform (penalties counted along each node's path), then truncation."""
-        counts = self.counts(token_ids, parent_idx, node_idx, logits)
+        penalties, committed = self.params.penalties, self.committed
+        counts = counts_at(penalties, committed, self.output_start, token_ids, parent_idx, node_idx, logits.device)
         return proposal_probs(logits, self.params, self.top_k, self.top_p, counts)
-
-    def counts(self, token_ids: Tensor, parent_idx: Tensor, node_idx: Tensor, logits: Tensor) -> TokenCounts | None:
-        penalties, vocab_size = self.params.penalties, logits.shape[-1]
-        return counts_at(
-            penalties, self.committed, self.output_start, token_ids, parent_idx, node_idx, vocab_size, logits.device
-        )
 
 
 def _same_prefix_same_law(probs: Tensor, token_ids: Tensor, parent_idx: Tensor, nodes: list[int]) -> Tensor:
@@ -205,10 +200,7 @@ class Verifier:
         return verdict
 
     def _counts(self, params, committed, token_ids, parent_idx, node_idx, logits) -> TokenCounts | None:
-        vocab_size = logits.shape[-1]
-        return counts_at(
-            params.penalties, committed, self.output_start, token_ids, parent_idx, node_idx, vocab_size, logits.device
-        )
+        return counts_at(params.penalties, committed, self.output_start, token_ids, parent_idx, node_idx, logits.device)
 
     def _offset(self, committed: list[int]) -> int:
         return len(committed) - 1 - self.runner.cache_len

@@ -263,16 +263,9 @@ class VerifierPool:
 
 def _node_counts(req: VerifyRequest, logits: Tensor) -> TokenCounts | None:
     """The penalties' counts at every node of req's tree, each along its own path (rsd.penalties)."""
-    tree, nodes, vocab_size = req.tree, torch.arange(req.tree.num_nodes), logits.shape[-1]
+    tree, penalties, nodes = req.tree, req.params.penalties, torch.arange(req.tree.num_nodes)
     return counts_at(
-        req.params.penalties,
-        req.committed_ids,
-        req.output_start,
-        tree.token_ids,
-        tree.parent_idx,
-        nodes,
-        vocab_size,
-        logits.device,
+        penalties, req.committed_ids, req.output_start, tree.token_ids, tree.parent_idx, nodes, logits.device
     )
 
 

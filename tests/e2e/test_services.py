@@ -433,6 +433,8 @@ def test_penalties_through_the_services(models):
     want_greedy = penalised_greedy(models[1], PROMPT, NEW_TOKENS, SamplingParams(0, **PENALTIES))
     plain_greedy = penalised_greedy(models[1], PROMPT, NEW_TOKENS, SamplingParams(0))
     assert want_greedy != plain_greedy  # the penalties change this output
+    alone = SpeculativeGenerator(ModelRunner(models[1], MAX_LEN))  # the target alone, through rsd's own code
+    assert alone.generate(PROMPT, None, SamplingParams(0, **PENALTIES), NEW_TOKENS).token_ids == want_greedy
     method, sampling = Method.parse("rsd_c", "2,2,1"), SamplingParams(1.0, **PENALTIES)
     want_sampled = reference(models, PROMPT, method, sampling, seed=31)
     whole_turn = penalised_greedy(models[1], PROMPT, NEW_TOKENS, SamplingParams(0, **OUTPUT_ONLY))

@@ -38,9 +38,10 @@ PARAMS = {
 def test_transform_is_vllms():
     logits = torch.tensor([[2.0, -1.0, 0.0, 3.0, -2.0]], dtype=torch.float64)
     prompt, output = [0, 1], [3, 3, 4]
-    counts = session_counts(prompt + output, len(prompt), 5)
-    assert counts.seen_mask.tolist() == [[True, True, False, True, True]]
-    assert counts.output_counts.tolist() == [[0, 0, 0, 2, 1]]
+    counts = session_counts(prompt + output, len(prompt))
+    assert counts.token_ids.tolist() == [0, 1, 3, 4]  # the tokens that occur; no other logit changes
+    assert counts.seen_mask.tolist() == [[True] * 4]
+    assert counts.output_counts.tolist() == [[0, 0, 2, 1]]
     out = penalised(logits, Penalties(presence=0.5, frequency=0.25, repetition=2.0), counts)
     # repetition on prompt and output tokens (positive / 2, non-positive * 2); then -0.25 * count - 0.5 * present
     want = [2.0 / 2, -1.0 * 2, 0.0, 3.0 / 2 - 0.25 * 2 - 0.5, -2.0 * 2 - 0.25 - 0.5]
@@ -50,12 +51,12 @@ def test_transform_is_vllms():
 
 def test_penalties_come_after_logit_bias_and_before_temperature():
     logits = torch.tensor([[-0.5, 1.0, 0.2]], dtype=torch.float64)
-    counts = session_counts([0], 0, 3)  # token 0 generated once
+    counts = session_counts([0], 0)  # token 0 generated once
     params = SamplingParams(0.5, logit_bias=((0, 1.0),), repetition_penalty=2.0)
     biased = torch.tensor([[0.5 / 2, 1.0, 0.2]], dtype=torch.float64)  # -0.5 + 1 = 0.5 > 0: divided
     assert logits_to_probs(logits, params, counts).allclose(torch.softmax(biased / 0.5, -1))
     greedy = SamplingParams(0, frequency_penalty=2.0)
-    assert logits_to_probs(torch.tensor([[1.0, 0.5]]), greedy, session_counts([0], 0, 2)).tolist() == [[0.0, 1.0]]
+    assert logits_to_probs(torch.tensor([[1.0, 0.5]]), greedy, session_counts([0], 0)).tolist() == [[0.0, 1.0]]
 
 
 def test_a_law_with_penalties_needs_its_counts():
@@ -64,8 +65,8 @@ def test_a_law_with_penalties_needs_its_counts():
     with pytest.raises(ValueError, match="token counts"):
         proposal_probs(torch.zeros(2, 4), SamplingParams(frequency_penalty=0.1), top_k=2)
     with pytest.raises(ValueError, match="output starts"):
-        counts_at(Penalties(repetition=1.1), [1], None, torch.tensor([1]), torch.tensor([-1]), torch.tensor([0]), 4)
-    assert counts_at(Penalties(), [1], None, torch.tensor([1]), torch.tensor([-1]), torch.tensor([0]), 4) is None
+        counts_at(Penalties(repetition=1.1), [1], None, torch.tensor([1]), torch.tensor([-1]), torch.tensor([0]))
+    assert counts_at(Penalties(), [1], None, torch.tensor([1]), torch.tensor([-1]), torch.tensor([0])) is None
 
 
 @pytest.mark.parametrize(
@@ -86,19 +87,20 @@ def test_out_of_range_penalties_are_refused(field, value):
 
 
 def test_node_counts_add_each_nodes_own_path():
-    session = session_counts([5, 1], 1, 6)  # prompt [5], output [1]
+    session = session_counts([5, 1], 1)  # prompt [5], output [1]
     token_ids = torch.tensor([1, 2, 3, 2, 4])  # root 1; 1 -> {2, 3}; 2 -> 2 -> 4
     parent_idx = torch.tensor([-1, 0, 0, 1, 3])
     counts = node_counts(session, token_ids, parent_idx, torch.tensor([0, 2, 4]))
+    assert counts.token_ids.tolist() == [1, 2, 3, 4, 5]  # the session's tokens and the tree's
     assert counts.output_counts.tolist() == [
-        [0, 1, 0, 0, 0, 0],  # the root: the session's
-        [0, 1, 0, 1, 0, 0],  # node 2: path [3]
-        [0, 1, 2, 0, 1, 0],  # node 4: path [2, 2, 4]
+        [1, 0, 0, 0, 0],  # the root: the session's
+        [1, 0, 1, 0, 0],  # node 2: path [3]
+        [1, 2, 0, 1, 0],  # node 4: path [2, 2, 4]
     ]
     assert counts.seen_mask.tolist() == [
-        [False, True, False, False, False, True],
-        [False, True, False, True, False, True],
-        [False, True, True, False, True, True],
+        [True, False, False, False, True],
+        [True, False, True, False, True],
+        [True, True, False, True, True],
     ]
 
 
@@ -115,7 +117,7 @@ def chain_counts(prefix: tuple[int, ...]) -> TokenCounts:
     """The counts after the session and prefix, through the tree code on the chain root -> prefix."""
     token_ids = torch.tensor([COMMITTED[-1], *prefix])
     parent_idx = torch.arange(-1, len(prefix))
-    session = session_counts(COMMITTED, OUTPUT_START, V)
+    session = session_counts(COMMITTED, OUTPUT_START)
     return node_counts(session, token_ids, parent_idx, torch.tensor([len(prefix)]))
 
 
@@ -129,10 +131,12 @@ def verifier_target_probs(tree, logits, params, ignore_path=False):
     (ignore_path: the session's counts at every node, the negative control)."""
     rows = torch.stack([logits(toy.path_tokens(tree.token_ids, tree.parent_idx, n)) for n in range(tree.num_nodes)])
     nodes = torch.arange(tree.num_nodes)
-    counts = counts_at(params.penalties, COMMITTED, OUTPUT_START, tree.token_ids, tree.parent_idx, nodes, V)
+    counts = counts_at(params.penalties, COMMITTED, OUTPUT_START, tree.token_ids, tree.parent_idx, nodes)
     if ignore_path:
-        session = session_counts(COMMITTED, OUTPUT_START, V)
-        counts = TokenCounts(session.seen_mask.expand_as(rows), session.output_counts.expand_as(rows))
+        session = session_counts(COMMITTED, OUTPUT_START)
+        num_rows = tree.num_nodes
+        seen, output = session.seen_mask.expand(num_rows, -1), session.output_counts.expand(num_rows, -1)
+        counts = TokenCounts(session.token_ids, seen, output)
     return logits_to_probs(rows, params, counts)
 
 
