@@ -152,9 +152,9 @@ def top_k_indices(x: Tensor, k: int) -> Tensor:
 
 
 def biased_logits(logits: Tensor, params: SamplingParams, counts: TokenCounts | None = None) -> Tensor:
-    """logits [..., V] plus params.logit_bias, then the penalties with each row's counts [..., V]
-    (rsd.penalties; required when params has penalties), in float32 (float64 stays float64); a new
-    tensor when changed."""
+    """logits [..., V] plus params.logit_bias, then the penalties (logits [F, V] then) with each row's counts
+    (rsd.penalties.TokenCounts [F, U]; required when params has penalties), in float32 (float64 stays
+    float64); a new tensor when changed."""
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     logits = logits.to(dtype)
     if params.logit_bias:
