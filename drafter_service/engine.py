@@ -95,6 +95,11 @@ class RunJob:
     num_top_logprobs: int | None = None  # the verdicts carry the tokens' logprobs (params.logprobs); None: not
     shapes: tuple[Shape, ...] = ()  # params.adaptive_shape: the family a ShapeController picks from; () = method's
     constraint: tuple[Constraint, int] | None = None  # structured output and where its text begins; None: free text
+    output_start: int | None = None  # where the turn's output starts in committed_ids (the penalties'); None: after
+
+    @property
+    def output_position(self) -> int:
+        return len(self.committed_ids) if self.output_start is None else self.output_start
 
 
 @dataclass(frozen=True)
@@ -243,7 +248,8 @@ class DrafterPool:
         forward = self.packer.forward if self.packer is not None else self._forward
         # The constraint's automaton may take seconds to build the first time: off the event loop.
         guide = None if job.constraint is None else await asyncio.to_thread(self.automata.guide, *job.constraint)
-        drafter = Drafter(slot.runner, self.config.proposal_top_k, self.config.proposal_top_p, forward, guide)
+        top_k, top_p = self.config.proposal_top_k, self.config.proposal_top_p
+        drafter = Drafter(slot.runner, top_k, top_p, forward, output_start=job.output_position, guide=guide)
         ahead = _Ahead(self, slot, drafter, job) if self.config.predraft else None
         shaper = _Shaper(job) if job.shapes else None
         method, next_tree = job.method if shaper is None else shaper.pick(), None
@@ -357,7 +363,11 @@ class DrafterPool:
 
     async def _attach(self, stub: verifier_pb2_grpc.VerifierStub, job: RunJob) -> None:
         request = verifier_pb2.AttachRequest(
-            session_id=job.session_id, epoch=job.epoch, committed_token_ids=job.committed_ids, params=job.params
+            session_id=job.session_id,
+            epoch=job.epoch,
+            committed_token_ids=job.committed_ids,
+            params=job.params,
+            output_start_position=job.output_position,
         )
         try:
             reply = await stub.Attach(request, timeout=self.config.attach_timeout_s)

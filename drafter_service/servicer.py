@@ -24,6 +24,7 @@ from rsd_wire.convert import (
     constraint_from_proto,
     generation_params_from_proto,
     num_top_logprobs,
+    output_start_from_proto,
     rule_from_proto,
     token_logprobs_to_proto,
 )
@@ -106,4 +107,5 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             num_top_logprobs=top_logprobs,
             shapes=shapes,
             constraint=constraint_from_proto(params),
+            output_start=output_start_from_proto(request),
         )

@@ -171,6 +171,7 @@ class TurnRunner:
             eos_token_ids=turn.params.get("eos_token_ids", self.eos_token_ids),
             verifier_address=turn.verifier.address,
             verifier_id=turn.verifier.service_id,
+            output_start_position=turn.turn_start,  # the penalties count the turn's output from there
         )
         call = self.channels.drafter(turn.drafter.address).Run(run)
         try:

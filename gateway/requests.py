@@ -22,6 +22,7 @@ from rsd_wire.convert import constraint_from_proto, constraint_to_proto, num_top
 
 MAX_REQUEST_ID = 128
 MAX_STOP_CHARS = 256
+PENALTY_DEFAULTS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}  # off
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,6 +105,7 @@ def default_params(config: GatewayConfig) -> dict[str, Any]:
         "stop_sequences": [],
         "seed": None,
         "logit_bias": [],  # [[token id, bias], ...] in increasing id (JSON has no int keys)
+        **PENALTY_DEFAULTS,
         "logprobs": False,
         "top_logprobs": 0,
         "verification": "token",
@@ -136,6 +138,9 @@ def merge_params(base: Mapping[str, Any], msg: common_pb2.GenerationParams | Non
         if s.HasField("top_p"):
             params["top_p"] = s.top_p
         params["logit_bias"] = [[t, b] for t, b in sorted(s.logit_bias.items())]
+        params["presence_penalty"], params["frequency_penalty"] = s.presence_penalty, s.frequency_penalty
+        if s.HasField("repetition_penalty"):
+            params["repetition_penalty"] = s.repetition_penalty
     if msg.HasField("method"):
         name = msg.method.name or params["method"]
         same = params["shape"] if name == params["method"] else DEFAULT_SHAPES.get(name, "")
@@ -155,7 +160,8 @@ def merge_params(base: Mapping[str, Any], msg: common_pb2.GenerationParams | Non
 def sampling_params(params: Mapping[str, Any]) -> SamplingParams:
     """The stored params' sampling transform (ValueError when a value is out of range)."""
     bias = tuple((int(t), float(b)) for t, b in params.get("logit_bias", []))
-    return SamplingParams(float(params["temperature"]), int(params["top_k"]), float(params["top_p"]), bias)
+    penalties = {k: float(params.get(k, v)) for k, v in PENALTY_DEFAULTS.items()}  # sessions stored before them: off
+    return SamplingParams(float(params["temperature"]), int(params["top_k"]), float(params["top_p"]), bias, **penalties)
 
 
 def validate_params(params: Mapping[str, Any], config: GatewayConfig, vocab_size: int) -> None:
@@ -245,6 +251,7 @@ def params_to_proto(params: Mapping[str, Any]) -> common_pb2.GenerationParams:
             top_k=int(params["top_k"]),
             top_p=float(params["top_p"]),
             logit_bias={int(t): float(b) for t, b in params.get("logit_bias", [])},
+            **{k: float(params.get(k, v)) for k, v in PENALTY_DEFAULTS.items()},
         ),
         method=common_pb2.Method(name=params["method"], shape=params["shape"]),
         max_new_tokens=int(params["max_new_tokens"]),

@@ -1,6 +1,6 @@
 """Sampling transforms and samplers.
 
-The same transform (logit bias, then temperature, then top-k, then top-p) must be applied to the
+The same transform (logit bias, then the penalties, then temperature, then top-k, then top-p) must be applied to the
 target's logits and to the draft's logits: exactness holds for the laws actually used, and a mismatch
 between the law a token was sampled from and the law used to verify it silently changes the output.
 """
@@ -13,10 +13,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from rsd.penalties import Penalties, TokenCounts, penalised
 from rsd.random import StepRandom
 
 MIN_TEMPERATURE = 1e-2  # below it (but 0) logits / temperature can overflow float32: refused, not clamped
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound: a bias of -100 bans a token in practice, +100 all but forces it
+MAX_PENALTY = 2.0  # OpenAI's bound on presence_penalty and frequency_penalty: [-2, 2]
 
 
 @dataclass(frozen=True)
@@ -26,12 +28,19 @@ class SamplingParams:
     logit_bias: ((token id, bias), ...) in increasing id, each bias in [-100, 100], added to the logits
     before everything else (OpenAI's logit_bias). A transform of the law like the others, applied to the
     target's and the draft's logits alike, so speculative decoding stays exact for the biased law.
+
+    presence_penalty, frequency_penalty (in [-2, 2], 0 = off) and repetition_penalty (> 0, 1 = off):
+    rsd.penalties, applied after logit_bias and before temperature (as vLLM); the law then depends on the
+    tokens before it, so callers pass each row's TokenCounts (rsd.penalties.node_counts).
     """
 
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0 and self.temperature < float("inf")):
@@ -51,6 +60,11 @@ class SamplingParams:
         bad = next((b for _, b in self.logit_bias if not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS), None)
         if bad is not None:
             raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bad}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:  # NaN fails too
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty < float("inf"):
+            raise ValueError(f"repetition_penalty must be finite and > 0 (1 = off), got {self.repetition_penalty}")
 
     def check_vocab(self, vocab_size: int) -> None:
         """ValueError unless every token id of logit_bias is in [0, vocab_size)."""
@@ -61,6 +75,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalties(self) -> Penalties:
+        return Penalties(self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
 
 
 def truncate(probs: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
@@ -133,21 +151,28 @@ def top_k_indices(x: Tensor, k: int) -> Tensor:
     return idx.gather(-1, torch.topk(values, k, dim=-1).indices)
 
 
-def biased_logits(logits: Tensor, params: SamplingParams) -> Tensor:
-    """logits [..., V] plus params.logit_bias, in float32 (float64 stays float64); a new tensor when biased."""
+def biased_logits(logits: Tensor, params: SamplingParams, counts: TokenCounts | None = None) -> Tensor:
+    """logits [..., V] plus params.logit_bias, then the penalties (logits [F, V] then) with each row's counts
+    (rsd.penalties.TokenCounts [F, U]; required when params has penalties), in float32 (float64 stays
+    float64); a new tensor when changed."""
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     logits = logits.to(dtype)
-    if not params.logit_bias:
-        return logits
-    params.check_vocab(logits.shape[-1])
-    ids = torch.tensor([t for t, _ in params.logit_bias], device=logits.device)  # [E]
-    bias = torch.tensor([b for _, b in params.logit_bias], dtype=dtype, device=logits.device)  # [E]
-    logits = logits.clone()
-    logits[..., ids] += bias
+    if params.logit_bias:
+        params.check_vocab(logits.shape[-1])
+        ids = torch.tensor([t for t, _ in params.logit_bias], device=logits.device)  # [E]
+        bias = torch.tensor([b for _, b in params.logit_bias], dtype=dtype, device=logits.device)  # [E]
+        logits = logits.clone()
+        logits[..., ids] += bias
+    if params.penalties.on:
+        if counts is None:  # a law without its history would be the unpenalised one: refused, never guessed
+            raise ValueError("penalties need the token counts of every row (rsd.penalties.node_counts)")
+        logits = penalised(logits, params.penalties, counts)
     return logits
 
 
-def proposal_probs(logits: Tensor, params: SamplingParams, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+def proposal_probs(
+    logits: Tensor, params: SamplingParams, top_k: int = 0, top_p: float = 1.0, counts: TokenCounts | None = None
+) -> Tensor:
     """truncate(logits_to_probs(logits, params), top_k, top_p), [F, V] -> [F, V]: a drafter's proposal law.
 
     Where the only truncation is a top-k (the smaller of params.top_k and top_k; top-p off) the law is a
@@ -159,22 +184,23 @@ def proposal_probs(logits: Tensor, params: SamplingParams, top_k: int = 0, top_p
     ks = [k for k in (params.top_k, top_k) if k > 0]
     k = min(ks) if ks else 0
     if params.greedy or params.top_p < 1.0 or top_p < 1.0 or not 0 < k < logits.shape[-1] or logits.dim() != 2:
-        return truncate(logits_to_probs(logits, params), top_k, top_p)
-    if params.logit_bias:
-        logits = biased_logits(logits, params)  # [F, V]; unbiased logits stay as they are (no pass over V)
+        return truncate(logits_to_probs(logits, params, counts), top_k, top_p)
+    if params.logit_bias or params.penalties.on:
+        logits = biased_logits(logits, params, counts)  # [F, V]; plain logits stay as they are (no pass over V)
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     idx = top_k_indices(logits, k)  # [F, k]
     kept = torch.softmax(logits.gather(-1, idx).to(dtype) / params.temperature, dim=-1)  # [F, k]
     return torch.zeros(logits.shape, dtype=dtype, device=logits.device).scatter_(-1, idx, kept)
 
 
-def logits_to_probs(logits: Tensor, params: SamplingParams) -> Tensor:
-    """logits [..., V] -> probs [..., V] in float32 (float64 stays float64).
+def logits_to_probs(logits: Tensor, params: SamplingParams, counts: TokenCounts | None = None) -> Tensor:
+    """logits [..., V] -> probs [..., V] in float32 (float64 stays float64); counts: each row's, for the
+    penalties (biased_logits).
 
-    Temperature 0 gives the one-hot argmax (of the biased logits), so every acceptance rule degenerates to
-    greedy matching.
+    Temperature 0 gives the one-hot argmax (of the biased, penalised logits), so every acceptance rule
+    degenerates to greedy matching.
     """
-    logits = biased_logits(logits, params)
+    logits = biased_logits(logits, params, counts)
     if params.greedy:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     probs = torch.softmax(logits / params.temperature, dim=-1)

@@ -19,6 +19,7 @@ runs the missing tokens as a chain in front of the next tree, in the same forwar
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -28,6 +29,7 @@ from torch import Tensor
 from rsd.acceptance import Rule, Verdict, verify
 from rsd.constraint import Guide, mask_logits
 from rsd.methods import Method
+from rsd.penalties import TokenCounts, counts_at
 from rsd.random import Draw, StepRandom
 from rsd.sampling import SamplingParams, logits_to_probs, proposal_probs, sample
 from rsd.tree import DraftTree, path_to
@@ -80,13 +82,15 @@ class ModelProposal:
         top_p: float = 1.0,
         stop: Callable[[], bool] | None = None,
         forward: Forward = ModelRunner.forward,
+        output_start: int | None = None,
         guide: Guide | None = None,
     ):
         self.runner, self.committed, self.stop, self.forward = runner, committed, stop, forward
+        # Greedy drafting ranks children by the plain softmax of the biased, penalised logits (the target's
+        # argmax is of those); its laws are never used for acceptance.
+        self.params = dataclasses.replace(params, temperature=1.0, top_k=0, top_p=1.0) if params.greedy else params
+        self.output_start = output_start  # committed[output_start:] is output, for the penalties (rsd.penalties)
         self.guide = guide  # structured output: each node's law is masked by its own automaton state
-        # Greedy drafting ranks children by the plain softmax of the biased logits (the target's argmax is the
-        # biased one); its laws are never used for acceptance.
-        self.params = SamplingParams(temperature=1.0, logit_bias=params.logit_bias) if params.greedy else params
         self.top_k, self.top_p = top_k, top_p  # drafter-side truncation of the proposal
         self.tentative_of: dict[int, int] = {}  # tree node -> tentative index in the runner
         self.num_forwards = 0
@@ -109,11 +113,14 @@ class ModelProposal:
         if self.guide is not None:
             masks = self.guide.tree_masks(self.committed, token_ids, parent_idx, logits.shape[-1], nodes)  # [F, V]
             logits = mask_logits(logits, masks)
-        return _same_prefix_same_law(self.law(logits), token_ids, parent_idx, nodes)
+        return _same_prefix_same_law(self.law(logits, token_ids, parent_idx, node_idx), token_ids, parent_idx, nodes)
 
-    def law(self, logits: Tensor) -> Tensor:
-        """The proposal law of draft logits [F, V] -> [F, V]: the sampling transform, then truncation."""
-        return proposal_probs(logits, self.params, self.top_k, self.top_p)
+    def law(self, logits: Tensor, token_ids: Tensor, parent_idx: Tensor, node_idx: Tensor) -> Tensor:
+        """The proposal law at nodes node_idx [F] of the tree (token_ids, parent_idx), from their draft logits
+        [F, V] -> [F, V]: the sampling transform (penalties counted along each node's path), then truncation."""
+        penalties, committed = self.params.penalties, self.committed
+        counts = counts_at(penalties, committed, self.output_start, token_ids, parent_idx, node_idx, logits.device)
+        return proposal_probs(logits, self.params, self.top_k, self.top_p, counts)
 
 
 def _same_prefix_same_law(probs: Tensor, token_ids: Tensor, parent_idx: Tensor, nodes: list[int]) -> Tensor:
@@ -138,11 +145,15 @@ class Drafter:
         top_k: int = 0,
         top_p: float = 1.0,
         forward: Forward = ModelRunner.forward,
+        output_start: int | None = None,
         guide: Guide | None = None,
     ):
         # forward: how the runner's forwards run (rsd_runtime.packed.PackedForwards.forward packs them
         # with other sessions' in the drafter service); guide: the generation's structured-output constraint
         self.runner, self.top_k, self.top_p, self.forward, self.guide = runner, top_k, top_p, forward, guide
+        # Where the generation's output starts in the committed tokens (the penalties count from there;
+        # rsd.penalties). Set by whoever starts a generation.
+        self.output_start = output_start
         # The proposal of the last tree drafted (which tree nodes the runner ran): accept() commits
         # along it. rsd_runtime.predraft swaps it together with the runner's state.
         self.proposal: ModelProposal | None = None
@@ -159,7 +170,7 @@ class Drafter:
         each forward; when it says True the draft raises DraftStopped. The tree is on the CPU (what the
         wire sends); the laws are drawn from on the draft model's device."""
         self.proposal = ModelProposal(
-            self.runner, committed, params, self.top_k, self.top_p, stop, self.forward, self.guide
+            self.runner, committed, params, self.top_k, self.top_p, stop, self.forward, self.output_start, self.guide
         )
         return method.draft(self.proposal, committed[-1], rng, params.greedy, device="cpu")
 
@@ -179,6 +190,7 @@ class Verifier:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
         self.last_forward_s = 0.0  # of the last verify(): the target forward; the rest is acceptance
+        self.output_start: int | None = None  # as Drafter.output_start
 
     def verify(
         self,
@@ -195,11 +207,16 @@ class Verifier:
         self.last_forward_s = time.perf_counter() - t
         if guide is not None:
             logits = mask_logits(logits, guide.tree_masks(committed, tree.token_ids, tree.parent_idx, logits.shape[-1]))
-        target_probs = logits_to_probs(logits, params)  # [N, V] float32 at least, on the target's device
+        nodes = torch.arange(tree.num_nodes)
+        counts = self._counts(params, committed, tree.token_ids, tree.parent_idx, nodes, logits)  # per node's path
+        target_probs = logits_to_probs(logits, params, counts)  # [N, V] float32 at least, on the target's device
         verdict = verify(tree.to(target_probs.device), target_probs, rule, rng)
         offset = self._offset(committed)
         commit_path(self.runner, committed, {n: n + offset for n in range(tree.num_nodes)}, verdict.accepted_idx)
         return verdict
+
+    def _counts(self, params, committed, token_ids, parent_idx, node_idx, logits) -> TokenCounts | None:
+        return counts_at(params.penalties, committed, self.output_start, token_ids, parent_idx, node_idx, logits.device)
 
     def _offset(self, committed: list[int]) -> int:
         return len(committed) - 1 - self.runner.cache_len
@@ -208,11 +225,12 @@ class Verifier:
         self, committed: list[int], params: SamplingParams, rng: StepRandom, guide: Guide | None = None
     ) -> int:
         """The target alone: one token from its law at the root (the draw (Draw.TOKEN, node 0))."""
-        root = torch.tensor(committed[-1:])
-        logits = forward_with_catch_up(self.runner, committed, root, torch.tensor([-1]))  # [1, V]
+        token_ids, parents = torch.tensor(committed[-1:]), torch.tensor([-1])
+        logits = forward_with_catch_up(self.runner, committed, token_ids, parents)  # [1, V]
         if guide is not None:
-            logits = mask_logits(logits, guide.tree_masks(committed, root, torch.tensor([-1]), logits.shape[-1]))
+            logits = mask_logits(logits, guide.tree_masks(committed, token_ids, parents, logits.shape[-1]))
+        counts = self._counts(params, committed, token_ids, parents, torch.zeros(1, dtype=torch.long), logits)
         zero = torch.zeros((), dtype=torch.long, device=logits.device)
-        token = int(sample(logits_to_probs(logits[0], params), rng.uniform(Draw.TOKEN, zero, zero)))
+        token = int(sample(logits_to_probs(logits, params, counts)[0], rng.uniform(Draw.TOKEN, zero, zero)))
         self.runner.commit(list(range(self._offset(committed) + 1)))
         return token

@@ -149,6 +149,9 @@ class SpeculativeGenerator:
         runners = [self.verifier.runner] + ([self.drafter.runner] if self.drafter else [])
         for runner in runners:
             runner.reset()
+        for engine in (self.verifier, self.drafter):  # the penalties count output from here (rsd.penalties)
+            if engine is not None:
+                engine.output_start = len(prompt_ids)
         self._next_tree = None
         self.guide = None if constraint is None else Guide(constraint, len(prompt_ids))
         if self.drafter is not None:

@@ -234,7 +234,8 @@ class PreDrafter:
         forwards run). Safe in a thread of its own: it reads the drafter's runner, writes the shadow."""
         shadow.copy_from(self.runner, self._synced.get(shadow, 0))
         self._synced[shadow] = self.runner.cache_len  # committed: neither changes it before the verdict
-        drafter = Drafter(shadow, self.drafter.top_k, self.drafter.top_p, self.drafter.forward, self.drafter.guide)
+        top_k, top_p = self.drafter.top_k, self.drafter.top_p
+        drafter = Drafter(shadow, top_k, top_p, self.drafter.forward, self.drafter.output_start, self.drafter.guide)
         try:
             prefix, tree = self._draft_for(drafter, outcome, stop)
         except DraftStopped:
@@ -284,7 +285,8 @@ class PreDrafter:
             )
         self.num_forwards += 1
         self.runner.restore(self.base)
-        return dict(zip(leaves, self.sent.law(logits), strict=True))
+        laws = self.sent.law(logits, self.tree.token_ids, self.tree.parent_idx, torch.tensor(leaves))  # [F, V]
+        return dict(zip(leaves, laws, strict=True))
 
 
 class PipelinedGenerator(SpeculativeGenerator):

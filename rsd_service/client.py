@@ -101,6 +101,9 @@ class RsdClient:
         logit_bias: Mapping[int, float] | None = None,
         top_logprobs: int | None = None,
         adaptive_shape: bool = False,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        repetition_penalty: float | None = None,
     ) -> Generation:
         """Start (no session_id), continue (session_id and input) or resume (session_id, no input).
         The input: prompt (text), token_ids, or messages as (role, content) pairs (chat template).
@@ -132,6 +135,7 @@ class RsdClient:
             top_logprobs,
             verification,
             adaptive_shape,
+            penalties=(presence_penalty, frequency_penalty, repetition_penalty),
         )
         if params is not None:
             request.params.CopyFrom(params)
@@ -159,14 +163,27 @@ def build_params(
     top_logprobs: int | None = None,
     verification: str | None = None,
     adaptive_shape: bool = False,
+    *,
+    penalties: tuple[float | None, float | None, float | None] = (None, None, None),
 ) -> common_pb2.GenerationParams | None:
     """GenerationParams with only the given fields present (None when nothing is given). top_logprobs given:
-    logprobs on, with that many top tokens."""
+    logprobs on, with that many top tokens. penalties: (presence, frequency, repetition), None = not given."""
     params = common_pb2.GenerationParams(max_new_tokens=max_new_tokens, stop_sequences=list(stop))
     if top_logprobs is not None:
         params.logprobs, params.top_logprobs = True, top_logprobs
-    if temperature is not None or top_k is not None or top_p is not None or logit_bias:
+    presence, frequency, repetition = penalties
+    if (
+        temperature is not None
+        or top_k is not None
+        or top_p is not None
+        or logit_bias
+        or any(v is not None for v in penalties)
+    ):
         params.sampling.top_k = top_k or 0
+        params.sampling.presence_penalty = presence or 0.0
+        params.sampling.frequency_penalty = frequency or 0.0
+        if repetition is not None:
+            params.sampling.repetition_penalty = repetition
         params.sampling.logit_bias.update(logit_bias or {})
         if temperature is not None:
             params.sampling.temperature = temperature

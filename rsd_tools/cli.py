@@ -46,6 +46,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2] (rsd.penalties)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2] (rsd.penalties)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0, 1 = off (rsd.penalties)")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--draft", help="draft model folder (any HF causal LM saved locally)")
@@ -138,6 +141,9 @@ def generate_remote(args) -> int:
             stop=args.stop,
             seed=args.seed,
             verification=args.verification,
+            presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty,
+            repetition_penalty=args.repetition_penalty,
         )
         t0 = time.perf_counter()
         try:
@@ -179,7 +185,14 @@ def generate(args) -> int:
         raise SystemExit(f"error: {e}") from None
     print(f"placement: cores {placement.cores}, {torch.get_num_threads()} threads", file=sys.stderr)
     try:
-        params = SamplingParams(args.temperature, args.top_k, args.top_p)
+        params = SamplingParams(
+            args.temperature,
+            args.top_k,
+            args.top_p,
+            presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty,
+            repetition_penalty=args.repetition_penalty,
+        )
         method = None if args.method == "ar" else Method.parse(args.method, args.shape or DEFAULT_SHAPES[args.method])
         if method is not None:
             method.rule(params.greedy, args.verification)  # refused before the models load

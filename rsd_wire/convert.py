@@ -33,7 +33,7 @@ from rsd.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
 from rsd.methods import VERIFICATIONS, Method
 from rsd.sampling import SamplingParams, nonzero_ids
 from rsd.tree import DraftTree, validate_draft_tree, validate_tree
-from rsd_wire import common_pb2, verifier_pb2
+from rsd_wire import common_pb2, drafter_pb2, verifier_pb2
 
 if sys.byteorder != "little":  # pragma: no cover
     raise ImportError("rsd_wire writes tensors little-endian with native byte copies; this host is big-endian")
@@ -293,19 +293,42 @@ def num_top_logprobs(msg: common_pb2.GenerationParams) -> int | None:
 
 def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(
-        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, logit_bias=dict(params.logit_bias)
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        logit_bias=dict(params.logit_bias),
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
     )
 
 
 def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
-    """Absent temperature / top_p take SamplingParams' defaults; SamplingParams validates the values."""
+    """Absent temperature / top_p / repetition_penalty take SamplingParams' defaults; SamplingParams validates
+    the values (NaN and infinities included)."""
     defaults = SamplingParams()
     return SamplingParams(
         temperature=msg.temperature if msg.HasField("temperature") else defaults.temperature,
         top_k=msg.top_k,
         top_p=msg.top_p if msg.HasField("top_p") else defaults.top_p,
         logit_bias=tuple(sorted(msg.logit_bias.items())),
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
     )
+
+
+def output_start_from_proto(msg: verifier_pb2.AttachRequest | drafter_pb2.RunRequest) -> int:
+    """Where the turn's output starts in msg.committed_token_ids (absent: after them, nothing generated yet);
+    ValueError past their end."""
+    num_committed = len(msg.committed_token_ids)
+    if not msg.HasField("output_start_position"):
+        return num_committed
+    if msg.output_start_position > num_committed:
+        raise ValueError(
+            f"output_start_position {msg.output_start_position} is past the {num_committed} committed tokens"
+        )
+    return msg.output_start_position
 
 
 def method_shape(method: Method) -> str:

@@ -32,6 +32,7 @@ from transformers import PreTrainedModel
 from rsd.acceptance import Rule, Verdict, verify
 from rsd.constraint import Guide, mask_logits
 from rsd.logprobs import TokenLogprobs, emitted_rows, token_logprobs
+from rsd.penalties import TokenCounts, counts_at
 from rsd.random import StepRandom
 from rsd.sampling import SamplingParams, logits_to_probs
 from rsd.tree import DraftTree, node_depths, tree_attention_mask, validate_tree
@@ -73,6 +74,9 @@ class VerifyRequest:
     num_top_logprobs: int | None = None
     # Structured output: each node's target law is masked by the automaton's state after its path.
     guide: Guide | None = None
+    # committed_ids[output_start:] is the turn's output, which the penalties count (rsd.penalties); None:
+    # unknown (refused when the params have penalties).
+    output_start: int | None = None
 
     def check_rng(self) -> None:
         """ValueError when a sampling request comes without its draws."""
@@ -159,7 +163,7 @@ class VerifierPool:
                     tree = req.tree
                     masks = req.guide.tree_masks(req.committed_ids, tree.token_ids, tree.parent_idx, lg.shape[-1])
                     masked = mask_logits(lg, masks)  # [N, V]
-                probs = logits_to_probs(masked, req.params)  # [N, V] float32 at least, on the target's device
+                probs = logits_to_probs(masked, req.params, _node_counts(req, lg))  # [N, V] float32 at least
                 verdict = _scored(verify(req.tree.to(probs.device), probs, req.rule, req.rng), lg, req)
             except Exception as e:  # one bad tree must not cost the others their step
                 verdicts.append(None)
@@ -263,6 +267,14 @@ class VerifierPool:
         keep = list(range(m + 1)) + [m + n for n in verdict.accepted_idx]  # offsets inside the segment
         self.cache.commit(seg.slot, seg.cached, keep)
         self._cached[seg.slot] = req.committed_ids + verdict.accepted_ids
+
+
+def _node_counts(req: VerifyRequest, logits: Tensor) -> TokenCounts | None:
+    """The penalties' counts at every node of req's tree, each along its own path (rsd.penalties)."""
+    tree, penalties, nodes = req.tree, req.params.penalties, torch.arange(req.tree.num_nodes)
+    return counts_at(
+        penalties, req.committed_ids, req.output_start, tree.token_ids, tree.parent_idx, nodes, logits.device
+    )
 
 
 def _scored(verdict: Verdict, logits: Tensor, req: VerifyRequest) -> ScoredVerdict:

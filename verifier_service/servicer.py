@@ -37,6 +37,7 @@ from rsd_wire.convert import (
     draft_tree_from_proto,
     generation_params_from_proto,
     num_top_logprobs,
+    output_start_from_proto,
     rule_from_proto,
     token_logprobs_to_proto,
     verdict_to_proto,
@@ -59,6 +60,7 @@ class _Session:
     cached_at_attach: int  # AttachResponse.cached_length_tokens
     num_top_logprobs: int | None = None  # verdicts carry logprobs with this many top tokens; None: none
     guide: Guide | None = None  # structured output (params.constraint)
+    output_start: int = 0  # committed[output_start:] is the turn's output (the penalties count it)
     last_tree: bytes = b""  # the last verified DraftTree, serialized, and its verdict
     last_verdict: verifier_pb2.Verdict | None = None
     num_steps: int = 0
@@ -121,6 +123,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         rule = rule_from_proto(request.params, params, method)  # params.verification
         constraint = constraint_from_proto(request.params)  # the automaton may take seconds: off the event loop
         guide = None if constraint is None else await asyncio.to_thread(self.automata.guide, *constraint)
+        output_start = output_start_from_proto(request)
         async with self.batcher.engine_lock:  # the engine is not thread-safe; the batcher's forward holds it
             current = self.sessions.get(sid)
             if current is not None and request.epoch < current.epoch:
@@ -151,6 +154,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 cached_at_attach=cached,
                 num_top_logprobs=top_logprobs,
                 guide=guide,
+                output_start=output_start,
             )
             self._last_used[sid] = time.monotonic()
         log.info("attached %s epoch %d: %d committed, %d cached", sid, request.epoch, len(committed), cached)
@@ -252,6 +256,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 rng,
                 session.num_top_logprobs,
                 session.guide,
+                session.output_start,
             )
             num_new = root_position - self.engine.cached_length(sid) + tree.num_nodes  # prefill chain + tree
             serialized = msg.SerializeToString(deterministic=True)

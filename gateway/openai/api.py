@@ -141,7 +141,8 @@ def _public_param(error: RequestError, body: Any) -> str | None:
         return "messages" if chat else "prompt"  # as OpenAI names it
     if error.field == "params.sampling":  # SamplingParams names the one it refuses first
         reason = str(error)[len(error.field) + 2 :]
-        return next((p for p in ("temperature", "top_k", "top_p", "logit_bias") if reason.startswith(p)), None)
+        names = ("temperature", "top_k", "top_p", "logit_bias", "presence_penalty", "frequency_penalty")
+        return next((p for p in (*names, "repetition_penalty") if reason.startswith(p)), None)
     if error.field == "params.top_logprobs":
         return "top_logprobs" if chat else "logprobs"
     if error.field == "params.constraint":

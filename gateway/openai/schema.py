@@ -4,8 +4,7 @@ Requests turn into the gateway's own GenerateRequest (`to_generate_request`); re
 its events by `Reply`. What is supported of OpenAI's API:
     both      model, max_tokens, temperature, top_p, seed, stop (a string or a list), stream,
               stream_options.include_usage, n (1..16: n sessions, seeds seed, seed + 1, ...), user (ignored),
-              presence_penalty and
-              frequency_penalty (0 only), logit_bias (token id -> bias in [-100, 100])
+              presence_penalty and frequency_penalty (in [-2, 2]), logit_bias (token id -> bias in [-100, 100])
     completions       prompt (a string or token ids; one prompt), echo (false), logprobs (0..20),
                       suffix (null), best_of (1)
     chat.completions  messages (role: system, developer, user, assistant or tool (with tool_call_id);
@@ -13,9 +12,9 @@ its events by `Reply`. What is supported of OpenAI's API:
                       max_completion_tokens, logprobs, top_logprobs (0..20, with logprobs)
     structured output  response_format (OpenAI's: text, json_object, json_schema with json_schema.schema) or
               structured_outputs (vLLM's extra field: regex, json, choice), one of the two (rsd.constraint)
-    rsd's own (extra body fields): method, shape, top_k, session_id (continue that session: its
-    committed tokens, then this request's prompt or messages), verification ("token", "traversal",
-    "block": the exact rule that verifies the trees, rsd.methods)
+    rsd's own (extra body fields): method, shape, top_k, repetition_penalty (> 0, 1 = off; vLLM's), session_id
+    (continue that session: its committed tokens, then this request's prompt or messages), verification ("token",
+    "traversal", "block": the exact rule that verifies the trees, rsd.methods)
     /tokenize, /detokenize  vLLM's bodies (TokenizeCompletionRequest / TokenizeChatRequest, DetokenizeRequest)
 A null is the field's default, as OpenAI and vLLM read it. Anything else is refused (400), never silently ignored:
 a field that changes sampling must not be dropped.
@@ -34,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from rsd.constraint import Constraint
 from rsd.logprobs import MAX_TOP_LOGPROBS
-from rsd.sampling import MAX_LOGIT_BIAS
+from rsd.sampling import MAX_LOGIT_BIAS, MAX_PENALTY
 from rsd_service.client import build_params
 from rsd_wire import common_pb2, gateway_pb2
 from rsd_wire.convert import constraint_to_proto, parse_method, token_logprobs_from_proto
@@ -131,9 +130,10 @@ class _GenerateBody(_Body):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     user: str | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)  # rsd.penalties
+    frequency_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     # rsd's own
+    repetition_penalty: float | None = Field(None, gt=0)  # vLLM's extra parameter
     method: str | None = None
     shape: str | None = None
     top_k: int | None = Field(None, ge=0)
@@ -188,11 +188,6 @@ class _GenerateBody(_Body):
             raise ValueError("n > 1 starts n new sessions: it cannot continue one")
         return session_id
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float) -> float:
-        return _only(value, 0.0, "a penalty")
-
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -240,6 +235,7 @@ class _GenerateBody(_Body):
             bias,
             self.num_top_logprobs,
             verification=self.verification,
+            penalties=(self.presence_penalty, self.frequency_penalty, self.repetition_penalty),
         )
         if params is not None:
             request.params.CopyFrom(params)

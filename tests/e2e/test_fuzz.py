@@ -258,6 +258,9 @@ sampling = st.builds(
     temperature=st.one_of(st.none(), floats),
     top_k=st.integers(0, 2**32 - 1),
     top_p=st.one_of(st.none(), floats),
+    presence_penalty=floats,
+    frequency_penalty=floats,
+    repetition_penalty=st.one_of(st.none(), floats),
 )
 methods = st.builds(
     common_pb2.Method,
@@ -473,7 +476,7 @@ def test_fuzz_resume_cancel_get(servers, victim, which, sid, position, include):
 def _params(**fields) -> common_pb2.GenerationParams:
     params = greedy_params(4)
     for name, value in fields.items():
-        if name in ("temperature", "top_k", "top_p"):
+        if name in ("temperature", "top_k", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             setattr(params.sampling, name, value)
         elif name in ("method", "shape"):
             setattr(params.method, "name" if name == "method" else "shape", value)
@@ -492,6 +495,10 @@ HOSTILE_PARAMS = [
     {"top_p": 0.0},
     {"top_p": 1.5},
     {"top_k": 2**32 - 1},
+    {"presence_penalty": float("nan")},
+    {"frequency_penalty": -3.0},
+    {"repetition_penalty": 0.0},
+    {"repetition_penalty": float("-inf")},
     {"method": "rsd_s", "shape": "1000x1000"},
     {"method": "sd", "shape": "9999999999"},
     {"method": "rsd_c", "shape": "64,64,64"},

@@ -32,7 +32,16 @@ from rsd_tools.tiny import build_tiny_pair
 from rsd_wire import common_pb2, drafter_pb2, verifier_pb2
 from rsd_wire.convert import draft_tree_to_proto, proposal_law_to_proto, tensor_to_proto
 from tests.fixtures.redis_server import redis_server
-from tests.fixtures.services import MAX_LEN, NEW_TOKENS, PROMPT, gen_params, reference, run, services
+from tests.fixtures.services import (
+    MAX_LEN,
+    NEW_TOKENS,
+    PROMPT,
+    gen_params,
+    penalised_greedy,
+    reference,
+    run,
+    services,
+)
 from verifier_service import server as verifier_server
 from verifier_service.batcher import Batcher
 from verifier_service.config import VerifierConfig
@@ -408,6 +417,58 @@ def test_continued_run_reuses_the_caches(models):
     first, committed, second = asyncio.run(main())
     assert first == reference(models, PROMPT, method, SamplingParams(0.7), 11, new_tokens=12)
     assert second == reference(models, committed, method, SamplingParams(0.7), 12)
+
+
+PENALTIES = {"presence_penalty": 0.8, "frequency_penalty": 0.6, "repetition_penalty": 1.8}
+OUTPUT_ONLY = {"presence_penalty": 2.0, "frequency_penalty": 2.0}  # where prompt and output differ most
+
+
+def test_penalties_through_the_services(models):
+    """Presence, frequency and repetition penalties (rsd.penalties) through drafter and verifier: at T = 0 the
+    target alone with the penalties, token for token (so the penalised argmax at every tree node); at T = 1 the
+    in-process generator's tokens with the same seed. A run resumed at a step boundary of the same turn
+    (RunRequest.output_start_position, as after a failover) continues it exactly, at T = 1 and T = 0; without the
+    field the run is a new turn that counts only its own output, as the target alone on that prompt (which here
+    gives other tokens)."""
+    want_greedy = penalised_greedy(models[1], PROMPT, NEW_TOKENS, SamplingParams(0, **PENALTIES))
+    plain_greedy = penalised_greedy(models[1], PROMPT, NEW_TOKENS, SamplingParams(0))
+    assert want_greedy != plain_greedy  # the penalties change this output
+    alone = SpeculativeGenerator(ModelRunner(models[1], MAX_LEN))  # the target alone, through rsd's own code
+    assert alone.generate(PROMPT, None, SamplingParams(0, **PENALTIES), NEW_TOKENS).token_ids == want_greedy
+    method, sampling = Method.parse("rsd_c", "2,2,1"), SamplingParams(1.0, **PENALTIES)
+    want_sampled = reference(models, PROMPT, method, sampling, seed=31)
+    whole_turn = penalised_greedy(models[1], PROMPT, NEW_TOKENS, SamplingParams(0, **OUTPUT_ONLY))
+    first_output = whole_turn[:8]
+
+    def params(temperature, seed, name="rsd_c", shape="2,2,1", penalties=PENALTIES):
+        msg = gen_params(name, shape, temperature, seed)
+        for key, value in penalties.items():
+            setattr(msg.sampling, key, value)
+        return msg
+
+    async def main():
+        async with services(models) as (vhandle, _, stub, _):
+            greedy = [await run(stub, vhandle, f"pen-g-{n}", params(0.0, 1, n, s)) for n, s in CASES[::2]]
+            sampled, events = await run(stub, vhandle, "pen-s", params(1.0, 31))
+            cut = len(events[0].token_ids) + len(events[1].token_ids)  # a step boundary
+            resumed = PROMPT + sampled[:cut]
+            same_turn, _ = await run(
+                stub, vhandle, "pen-r", params(1.0, 31), resumed, NEW_TOKENS - cut, output_start=len(PROMPT)
+            )
+            resumed_greedy, greedy_params = PROMPT + first_output, params(0.0, 1, penalties=OUTPUT_ONLY)
+            runs = [  # T = 0 resumed: the same turn, and a new turn whose output starts there
+                await run(stub, vhandle, f"pen-t{i}", greedy_params, resumed_greedy, NEW_TOKENS - 8, output_start=at)
+                for i, at in enumerate([len(PROMPT), None])
+            ]
+            return greedy, sampled, cut, same_turn, [tokens for tokens, _ in runs]
+
+    greedy, sampled, cut, same_turn, (greedy_same_turn, greedy_new_turn) = asyncio.run(main())
+    assert all(tokens == want_greedy for tokens, _ in greedy)
+    assert sampled == want_sampled
+    assert same_turn == sampled[cut:]
+    assert greedy_same_turn == whole_turn[8:]
+    new_turn = penalised_greedy(models[1], PROMPT + first_output, NEW_TOKENS - 8, SamplingParams(0, **OUTPUT_ONLY))
+    assert greedy_new_turn == new_turn != whole_turn[8:]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from gateway.chat import ChatTemplate
 from gateway.config import GatewayConfig
 from gateway.server import create_server
 from gateway.store.memory_store import MemorySessionStore
+from rsd.sampling import SamplingParams
 from rsd_service.client import RsdClient
 from rsd_service.security import ClientSecurity
 from rsd_tools.launcher import ClusterSecurity
@@ -35,6 +36,7 @@ from rsd_tools.tiny import word_tokenizer
 from rsd_wire import common_pb2, gateway_pb2
 from rsd_wire.convert import token_logprobs_from_proto
 from tests.fixtures.pki import make_pki
+from tests.fixtures.services import penalised_greedy
 from tests.fixtures.stack import start_registered_services, start_stack
 
 TOKEN = "s3cret-token"
@@ -321,6 +323,9 @@ def test_auth_failures_are_401(gw):
         ({"logit_bias": {"w5": 1}}, "logit_bias", "logit_bias: keys must be token ids, got 'w5'"),
         ({"logit_bias": {"5": 100.5}}, "logit_bias", "the bias of token 5 must be in [-100, 100], got 100.5"),
         ({"logit_bias": {"99999": -1}}, "logit_bias", "logit_bias token id 99999 is outside the vocabulary"),
+        ({"presence_penalty": 2.5}, "presence_penalty", "presence_penalty: Input should be less than or equal to 2"),
+        ({"frequency_penalty": float("nan")}, "frequency_penalty", "frequency_penalty: Input should be a finite"),
+        ({"repetition_penalty": 0}, "repetition_penalty", "repetition_penalty: Input should be greater than 0"),
         ({"bogus": 1}, "bogus", "bogus: Extra inputs are not permitted"),
         ({"model": None}, "model", "model: Field required"),
         ({"method": "beam"}, "method", "method: unknown method"),
@@ -899,6 +904,33 @@ def test_logit_bias_forces_and_bans_tokens(gw, tiny_tokenizer):
     with gw.grpc() as grpc_client:  # the same through gRPC
         ref = grpc_client.generate(PROMPT, temperature=0.0, max_new_tokens=8, logit_bias={forced: 100.0}).wait()
     assert ref.token_ids == [forced] * 8
+
+
+def test_penalties_at_temperature_zero_are_the_penalised_targets_greedy_output(gw, pair, tiny_tokenizer):
+    """presence_penalty, frequency_penalty (OpenAI's) and repetition_penalty (vLLM's, an extra body field) through
+    gateway, drafter and verifier: at T = 0 the target alone with the penalties, token for token; gRPC the same.
+    An out-of-range one is INVALID_ARGUMENT over gRPC, naming it."""
+    prompt = tiny_tokenizer.encode(PROMPT, add_special_tokens=False)
+    penalties = {"presence_penalty": 0.8, "frequency_penalty": 0.6, "repetition_penalty": 1.8}
+    want = penalised_greedy(pair[1], prompt, 12, SamplingParams(0, **penalties))
+    assert want != penalised_greedy(pair[1], prompt, 12, SamplingParams(0))  # the penalties change this output
+    out = gw.openai().completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0.0,
+        presence_penalty=penalties["presence_penalty"],
+        frequency_penalty=penalties["frequency_penalty"],
+        extra_body={"repetition_penalty": penalties["repetition_penalty"], **RSD_C},
+    )
+    assert list(wait_until_done(gw, out.session_id).committed_token_ids[len(prompt) :]) == want
+    with gw.grpc() as client:
+        assert (
+            client.generate(PROMPT, temperature=0.0, max_new_tokens=12, **penalties, **RSD_C).wait().token_ids == want
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            client.generate(PROMPT, max_new_tokens=2, repetition_penalty=-1.0).wait()
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "repetition_penalty" in info.value.details()
 
 
 # ---------------------------------------------------------------------------------------------

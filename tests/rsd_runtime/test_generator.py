@@ -20,6 +20,7 @@ from rsd_runtime.kvcache import common_prefix_length
 from rsd_runtime.models import load_model
 from rsd_runtime.runner import ModelRunner
 from rsd_tools.tiny import build_tiny_pair, build_tiny_vocab_pair
+from tests.fixtures.services import penalised_logits
 from tests.fixtures.toy import chi_square_pvalue
 
 GREEDY_METHODS = [
@@ -145,6 +146,41 @@ def test_first_tokens_follow_target_law(tiny_vocab_pair, name, shape, params, ve
         key = tuple(out.token_ids)
         counts[key] = counts.get(key, 0) + 1
     assert chi_square_pvalue(counts, target_law_two_tokens(target, prompt, params), n) > 1e-4
+
+
+PENALTIES = {"presence_penalty": 1.5, "frequency_penalty": 1.0, "repetition_penalty": 2.0}
+
+
+@torch.inference_mode()
+def penalised_law_two_tokens(model, prompt: list[int], temperature: float, penalties: dict) -> dict:
+    """The law of the first two tokens of the target alone with the penalties (written out, tests.fixtures)."""
+    params, law = SamplingParams(temperature, **penalties), {}
+
+    def probs(output):
+        logits = model(torch.tensor([prompt + output])).logits[0, -1].double()
+        return torch.softmax(penalised_logits(logits, prompt, output, params) / temperature, -1)
+
+    q1 = probs([])
+    for a in range(q1.shape[0]):
+        q2 = probs([a])
+        for b in range(q2.shape[0]):
+            law[(a, b)] = float(q1[a] * q2[b])
+    return law
+
+
+def test_first_tokens_follow_the_penalised_target_law(tiny_vocab_pair):
+    """With presence, frequency and repetition penalties the first two tokens (one tree: the second token's law
+    counts the first, drafted on the same path) follow the penalised target's law; not the plain target's. (One
+    method here: tests/rsd/test_penalties.py proves every method and verification by enumeration.)"""
+    draft, target = tiny_vocab_pair
+    gen = SpeculativeGenerator(ModelRunner(target, 64), ModelRunner(draft, 64))
+    prompt, n, counts = [2, 5, 6], 1500, {}
+    params = SamplingParams(1.0, **PENALTIES)
+    for seed in range(n):
+        out = gen.generate(prompt, Method.parse("rsd_c", "2,2"), params, max_new_tokens=2, seed=seed)
+        counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
+    assert chi_square_pvalue(counts, penalised_law_two_tokens(target, prompt, 1.0, PENALTIES), n) > 1e-4
+    assert chi_square_pvalue(counts, target_law_two_tokens(target, prompt, SamplingParams(1.0)), n) < 1e-8
 
 
 def test_verification_is_recorded_and_a_pairing_that_is_not_exact_is_refused(tiny_vocab_pair):

@@ -145,6 +145,22 @@ def test_pipelined_equals_plain_in_process(pair, name, shape, width):
     assert misses > 0 and hits > 0  # every method pre-drafts a verdict's tree sometimes (rsd_s 3 of these 12 runs)
 
 
+@pytest.mark.parametrize("width", [1, 2])
+def test_pipelined_equals_plain_with_penalties(pair, width):
+    """Pre-drafts (on the drafter's runner or on shadows) count the penalties from the generation's output start
+    plus the outcome's tokens, as the plain loop does: the same tokens and trees."""
+    draft, target = pair
+    plain = SpeculativeGenerator(ModelRunner(target, MAX_LEN), ModelRunner(draft, MAX_LEN))
+    piped = PipelinedGenerator(ModelRunner(target, MAX_LEN), ModelRunner(draft, MAX_LEN), max_outcomes=3, width=width)
+    method = Method.parse("rsd_c", "2,2")
+    for temperature, seed in [(0.0, 0), (1.0, 1), (1.0, 2)]:
+        params = SamplingParams(temperature, presence_penalty=0.8, frequency_penalty=0.6, repetition_penalty=1.8)
+        a = plain.generate(PROMPT, method, params, max_new_tokens=16, seed=seed)
+        b = piped.generate(PROMPT, method, params, max_new_tokens=16, seed=seed)
+        assert b.token_ids == a.token_ids and b.stats.draft_forwards == a.stats.draft_forwards, seed
+        assert b.stats.predraft_trees > 0
+
+
 @pytest.mark.parametrize(
     ("name", "shape", "verification"),
     [("sd", "3", "traversal"), ("sd", "3", "block"), ("specinfer", "2,2", "traversal"), ("rsd_c", "2,1", "traversal")],

@@ -36,6 +36,7 @@ from rsd_wire.convert import (
     method_shape,
     method_to_proto,
     num_top_logprobs,
+    output_start_from_proto,
     rule_from_proto,
     sampling_params_from_proto,
     sampling_params_to_proto,
@@ -305,6 +306,8 @@ def test_verdict_from_proto_rejects_bad_verdicts(msg):
         SamplingParams(0.7, 50, 0.9),
         SamplingParams(1.3, 0, 0.123456789),
         SamplingParams(0.8, logit_bias=((0, -100.0), (7, 0.25), (151_935, 100.0))),
+        SamplingParams(0.9, presence_penalty=-2.0, frequency_penalty=0.5, repetition_penalty=1.3),
+        SamplingParams(0.0, repetition_penalty=0.7),
     ],
 )
 def test_sampling_params_round_trip(params):
@@ -318,6 +321,31 @@ def test_sampling_params_absent_fields_take_the_defaults():
     for bad in (common_pb2.SamplingParams(top_p=0.0), common_pb2.SamplingParams(temperature=-1.0)):
         with pytest.raises(ValueError):
             sampling_params_from_proto(bad)
+    assert sampling_params_from_proto(common_pb2.SamplingParams()).repetition_penalty == 1.0  # absent: off
+
+
+@pytest.mark.parametrize(
+    ("msg", "reason"),
+    [
+        (common_pb2.SamplingParams(presence_penalty=2.5), "presence_penalty must be in"),
+        (common_pb2.SamplingParams(frequency_penalty=float("nan")), "frequency_penalty must be in"),
+        (common_pb2.SamplingParams(repetition_penalty=0.0), "repetition_penalty must be finite and > 0"),
+        (common_pb2.SamplingParams(repetition_penalty=float("inf")), "repetition_penalty must be finite and > 0"),
+    ],
+)
+def test_out_of_range_penalties_are_refused_naming_them(msg, reason):
+    with pytest.raises(ValueError, match=reason):
+        sampling_params_from_proto(msg)
+
+
+def test_output_start_position():
+    msg = verifier_pb2.AttachRequest(committed_token_ids=[4, 5, 6])
+    assert output_start_from_proto(msg) == 3  # absent: nothing generated yet
+    msg.output_start_position = 1
+    assert output_start_from_proto(msg) == 1
+    msg.output_start_position = 4
+    with pytest.raises(ValueError, match="output_start_position 4 is past the 3 committed tokens"):
+        output_start_from_proto(msg)
 
 
 @pytest.mark.parametrize(
