@@ -109,6 +109,9 @@ class ModelServiceConfig(ServiceConfig):
     device: str = "cpu"
     dtype: str = "float32"
     attn_implementation: str = "auto"
+    # Numeric mode of a GGUF model's quantised layers: "exact" (float32 weights and sums) or the opt-in
+    # "q8_activations" (int8 activations as llama.cpp computes: rsd_runtime.quant_q8; CPU float32 only).
+    numeric: str = "exact"
     # KV capacity per session, in tokens: committed prefix + one tree.
     max_len: int = 2048
     # Registry: "" = do not register; else a redis:// URL. The entry is refreshed every heartbeat_s
@@ -125,6 +128,7 @@ class ModelServiceConfig(ServiceConfig):
             **super().checks(),
             "max_len": self.max_len >= 2,
             "attn_implementation": self.attn_implementation in ("auto", "sdpa", "eager"),
+            "numeric": self.numeric.replace("-", "_") in ("exact", "q8_activations"),
             "heartbeat_s": self.heartbeat_s > 0,
             "registration_ttl_s": self.registration_ttl_s > self.heartbeat_s,
             "threads": self.threads >= 0,

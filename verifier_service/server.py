@@ -101,7 +101,12 @@ async def create_server(
     try:
         if model is None:
             model = await compute.call(
-                load_model, config.model, config.device, config.dtype, config.attn_implementation
+                load_model,
+                config.model,
+                config.device,
+                config.dtype,
+                config.attn_implementation,
+                numeric=config.numeric,
             )
         engine = await compute.call(VerifierPool, model, config.num_slots, config.max_len)  # its probe forward too
     except BaseException:
