@@ -27,11 +27,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rsd_runtime import quant, small_gemm
+from rsd_runtime import NUMERICS, quant, small_gemm
 
 log = logging.getLogger(__name__)
 
-NUMERICS = ("exact", "q8_activations")  # the model loader's `numeric` values; "exact" is the default
 Q8_K_TYPES = (12, 14)  # Q4_K, Q6_K: activations in Q8_K blocks of 256; Q8_0 and Q5_0 take Q8_0 blocks of 32
 
 _BUILDS = {  # preferred first: name -> (cflags, CPU flags); no -mfma: nothing may fuse

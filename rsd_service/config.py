@@ -128,7 +128,7 @@ class ModelServiceConfig(ServiceConfig):
             **super().checks(),
             "max_len": self.max_len >= 2,
             "attn_implementation": self.attn_implementation in ("auto", "sdpa", "eager"),
-            "numeric": self.numeric.replace("-", "_") in ("exact", "q8_activations"),
+            "numeric": self.numeric.replace("-", "_") in ("exact", "q8_activations"),  # rsd_runtime.NUMERICS
             "heartbeat_s": self.heartbeat_s > 0,
             "registration_ttl_s": self.registration_ttl_s > self.heartbeat_s,
             "threads": self.threads >= 0,

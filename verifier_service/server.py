@@ -125,9 +125,10 @@ async def create_server(
     handle.placement = placement
     await handle.register(server, config)
     log.info(
-        "verifier %s on %s: %d slots, max_len %d, cores %s, %d threads",
+        "verifier %s on %s: numeric %s, %d slots, max_len %d, cores %s, %d threads",
         handle.verifier_id,
         address,
+        getattr(model, "rsd_numeric", "exact"),
         config.num_slots,
         config.max_len,
         placement.cores,
