@@ -19,6 +19,7 @@ mode is refused (unavailable_reason), never approximated.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
@@ -89,14 +90,18 @@ def check_numeric(numeric: str) -> str:
 
 
 class Q8ActivationLinear(quant.QuantLinear):
-    """QuantLinear computed with int8 activations (module docstring): the same blocks, another function."""
+    """QuantLinear computed with int8 activations (module docstring): the same blocks, another function.
+    While `exact` is set (exact_layers) it computes as QuantLinear does."""
 
     numeric = "q8_activations"
+    exact = False
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", int8 activations"
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.exact:
+            return super().forward(x)
         lib = _library()[0]
         if lib is None or x.device.type != "cpu":
             raise RuntimeError(unavailable_reason(str(x.device)) or "no int8-activation kernel")
@@ -114,6 +119,23 @@ class Q8ActivationLinear(quant.QuantLinear):
         if self.bias is not None:
             y += self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
+
+
+@contextlib.contextmanager
+def exact_layers(model: torch.nn.Module):
+    """Within: the model's int8-activation layers compute in the exact mode. For the load-time tree probe
+    (attention.probe_tree_forward), which checks positions and masks against the model's own causal forward:
+    that forward's attention rounds differently from the tree's, and int8 activations turn such last-bit
+    differences into whole quantisation steps, which says nothing about positions. The served path is held
+    to bit-for-bit row equality instead (tests/rsd_runtime/test_quant_q8.py)."""
+    layers = [m for m in model.modules() if isinstance(m, Q8ActivationLinear)]
+    for m in layers:
+        m.exact = True
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.exact = False
 
 
 def quantize_rows(x: Tensor, qtype: int) -> tuple[Tensor, Tensor, Tensor]:

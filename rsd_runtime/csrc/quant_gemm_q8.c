@@ -135,7 +135,9 @@ static inline void unpack_q4_k(const uint8_t* blk, wblock* w, int q) {
         _mm256_store_si256((__m256i*)(w->wq[q] + 64 * c + 32), _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
     }
     for (int j = 0; j < 8; j++) _mm256_store_si256((__m256i*)(w->scv[q] + 16 * j), _mm256_set1_epi16(sc[j]));
-    for (int s = 0; s < 16; s++) w->cw[q][s] = m[s / 2]; /* m_j meets the 16-sums 2j and 2j + 1 */
+    const __m128i mv = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)m)); /* m_j meets the 16-sums 2j, 2j + 1 */
+    _mm_store_si128((__m128i*)w->cw[q], _mm_unpacklo_epi16(mv, mv));
+    _mm_store_si128((__m128i*)(w->cw[q] + 8), _mm_unpackhi_epi16(mv, mv));
 }
 
 /* Q6_K (210 bytes: ql[128], qh[64], int8 sc[16], d): element e = 128 h + 32 g + l (g < 4, l < 32) has low
@@ -154,7 +156,7 @@ static inline void unpack_q6_k(const uint8_t* blk, wblock* w, int q) {
         }
     }
     for (int s = 0; s < 16; s++) _mm_store_si128((__m128i*)(w->scv[q] + 8 * s), _mm_set1_epi16(sc[s]));
-    for (int s = 0; s < 16; s++) w->cw[q][s] = sc[s];
+    _mm256_store_si256((__m256i*)w->cw[q], _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)sc)));
 }
 
 /* Q8_0 (34 bytes: d, int8 qs[32]). */
@@ -253,9 +255,90 @@ static inline void row_q5_0(const wblock* w, const int8_t* a, float da, const in
                                  _mm_mul_ps(_mm_mul_ps(_mm_load_ps(w->dw), _mm_set1_ps(da)), _mm_cvtepi32_ps(S))));
 }
 
+
+/* ---- one or two rows: the K-quant blocks decoded in registers for each row (ggml's AVX2 way), no unpacked
+   copy written and read back: a one-token forward reads each block once. The same integers (exact), then the
+   same float steps (row_q4_k, row_q6_k), so the bits are the unpacked path's. */
+#define INLINE_ROWS 2
+#if defined(Q8_VNNI)
+#define DOTW256(acc, a, b) _mm256_dpwssd_epi32(acc, a, b)
+#else
+#define DOTW256(acc, a, b) _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))
+#endif
+#define BCAST16(lo, hi) /* pshufb control: int16 lane lo of each 128-bit half (hi in the upper half) everywhere */ \
+    _mm256_set_m128i(_mm_set1_epi16((short)((2 * (hi) + 1) << 8 | 2 * (hi))), _mm_set1_epi16((short)((2 * (lo) + 1) << 8 | 2 * (lo))))
+
+static inline void float_step(const float* dw, const float* dm, __m128i S, __m128i M, float da, float* acc) {
+    const __m128 d = _mm_set1_ps(da);
+    __m128 v = _mm_add_ps(_mm_load_ps(acc), _mm_mul_ps(_mm_mul_ps(_mm_loadu_ps(dw), d), _mm_cvtepi32_ps(S)));
+    if (dm) v = _mm_sub_ps(v, _mm_mul_ps(_mm_mul_ps(_mm_loadu_ps(dm), d), _mm_cvtepi32_ps(M)));
+    _mm_store_ps(acc, v);
+}
+
+static inline void inline_q4_k(const uint8_t* const* blk, const int8_t* a, float da, const int16_t* sums, float* acc) {
+    __m256i S[JB], M[JB];
+    float dw[JB], dm[JB];
+    const __m256i low = _mm256_set1_epi8(15), bs = _mm256_loadu_si256((const __m256i*)sums);
+    for (int q = 0; q < JB; q++) {
+        const uint8_t* b = blk[q];
+        uint32_t packed[4];
+        q4_k_scales(b + 4, packed);
+        const __m256i sm = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)packed)); /* sc[8], m[8] */
+        const __m256i scales = _mm256_permute2x128_si256(sm, sm, 0x00);
+        __m256i s = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i*)(b + 16 + 32 * c));
+            const __m256i plo = _mm256_maddubs_epi16(_mm256_and_si256(v, low), _mm256_loadu_si256((const __m256i*)(a + 64 * c)));
+            const __m256i phi = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+                                                     _mm256_loadu_si256((const __m256i*)(a + 64 * c + 32)));
+            s = DOTW256(s, plo, _mm256_shuffle_epi8(scales, BCAST16(2 * c, 2 * c)));
+            s = DOTW256(s, phi, _mm256_shuffle_epi8(scales, BCAST16(2 * c + 1, 2 * c + 1)));
+        }
+        const __m128i m = _mm256_extracti128_si256(sm, 1);
+        S[q] = s;
+        M[q] = _mm256_madd_epi16(_mm256_set_m128i(_mm_unpackhi_epi16(m, m), _mm_unpacklo_epi16(m, m)), bs);
+        dw[q] = f16(b);
+        dm[q] = f16(b + 2);
+    }
+    float_step(dw, dm, hsum4(S[0], S[1], S[2], S[3]), hsum4(M[0], M[1], M[2], M[3]), da, acc);
+}
+
+static inline void inline_q6_k(const uint8_t* const* blk, const int8_t* a, float da, const int16_t* sums, float* acc) {
+    __m256i S[JB], C[JB];
+    float dw[JB];
+    const __m256i low4 = _mm256_set1_epi8(15), low2 = _mm256_set1_epi8(3);
+    const __m256i bs = _mm256_loadu_si256((const __m256i*)sums);
+    for (int q = 0; q < JB; q++) {
+        const uint8_t* b = blk[q];
+        const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(b + 192))); /* sc[16] */
+        __m256i s = _mm256_setzero_si256();
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            const __m256i scales = _mm256_permute2x128_si256(sc, sc, h ? 0x11 : 0x00); /* sc[8 h .. 8 h + 7] twice */
+            const __m256i qh = _mm256_loadu_si256((const __m256i*)(b + 128 + 32 * h));
+#pragma GCC unroll 4
+            for (int g = 0; g < 4; g++) { /* elements 128 h + 32 g ..: sub-blocks 8 h + 2 g and the next */
+                const __m256i ql = _mm256_loadu_si256((const __m256i*)(b + 64 * h + 32 * (g % 2)));
+                const __m256i lo = _mm256_and_si256(g / 2 ? _mm256_srli_epi16(ql, 4) : ql, low4);
+                const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), low2), 4);
+                const __m256i p = _mm256_maddubs_epi16(_mm256_or_si256(lo, hi),
+                                                       _mm256_loadu_si256((const __m256i*)(a + 128 * h + 32 * g)));
+                s = DOTW256(s, p, _mm256_shuffle_epi8(scales, BCAST16(2 * g, 2 * g + 1)));
+            }
+        }
+        S[q] = s;
+        C[q] = _mm256_madd_epi16(sc, bs);
+        dw[q] = f16(b + 208);
+    }
+    const __m128i Sq = _mm_sub_epi32(hsum4(S[0], S[1], S[2], S[3]), _mm_slli_epi32(hsum4(C[0], C[1], C[2], C[3]), 5));
+    float_step(dw, 0, Sq, Sq, da, acc);
+}
+
 /* Output columns [n0, n1) of R rows: JB weight rows at a time, block by block in k order, each block unpacked
-   once and multiplied with every row. B: elements a block; BB: bytes a block; SB: the row's sums a block. */
-#define COLS(T, B, BB, SB)                                                                                    \
+   once and multiplied with every row. B: elements a block; BB: bytes a block; SB: the row's sums a block; INLINE: whether small calls decode
+   in registers (inline_T). */
+#define COLS(T, B, BB, SB, INLINE)                                                                                    \
     static void cols_##T(const int8_t* xq, const float* xd, const int16_t* xs, const uint8_t* w, float* y,   \
                          int64_t R, int64_t K, int64_t N, int64_t n0, int64_t n1) {                           \
         const int64_t nb = K / B, rb = nb * BB;                                                               \
@@ -267,6 +350,16 @@ static inline void row_q5_0(const wblock* w, const int8_t* a, float da, const in
             for (int q = 0; q < JB; q++) wr[q] = w + (j + (q < jn ? q : 0)) * rb;                             \
             memset(acc, 0, sizeof(float) * JB * R);                                                           \
             for (int64_t b = 0; b < nb; b++) {                                                                \
+                if (INLINE && R <= INLINE_ROWS) {                                                             \
+                    const uint8_t* bq[JB];                                                                    \
+                    for (int q = 0; q < JB; q++) {                                                            \
+                        bq[q] = wr[q] + b * BB;                                                               \
+                        if (b + 2 < nb) _mm_prefetch((const char*)(bq[q] + 2 * BB), _MM_HINT_T0);            \
+                    }                                                                                         \
+                    for (int64_t r = 0; r < R; r++)                                                           \
+                        inline_##T(bq, xq + r * K + b * B, xd[r * nb + b], xs + (r * nb + b) * SB, acc[r]);  \
+                    continue;                                                                                 \
+                }                                                                                             \
                 for (int q = 0; q < JB; q++) {                                                                \
                     unpack_##T(wr[q] + b * BB, &wb, q);                                                       \
                     if (b + 2 < nb) _mm_prefetch((const char*)(wr[q] + (b + 2) * BB), _MM_HINT_T0);          \
@@ -280,7 +373,9 @@ static inline void row_q5_0(const wblock* w, const int8_t* a, float da, const in
                 for (int q = 0; q < jn; q++) y[r * N + j + q] = acc[r][q];                                    \
         }                                                                                                     \
     }
-COLS(q4_k, 256, 144, 16) COLS(q6_k, 256, 210, 16) COLS(q8_0, 32, 34, 1) COLS(q5_0, 32, 22, 1)
+#define inline_q8_0(...) /* 32-blocks: always unpacked */
+#define inline_q5_0(...)
+COLS(q4_k, 256, 144, 16, 1) COLS(q6_k, 256, 210, 16, 1) COLS(q8_0, 32, 34, 1, 0) COLS(q5_0, 32, 22, 1, 0)
 
 #include "thread_buffer.h"
 #include <omp.h>

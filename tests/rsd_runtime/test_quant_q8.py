@@ -42,7 +42,7 @@ def test_kernel_is_the_reference_bit_for_bit(build, type_name):
     blocks = random_blocks(type_name, n, k, seed=4)
     bias = torch.randn(n)
     layer = quant_q8.Q8ActivationLinear(blocks, qtype, k, n, bias)
-    for rows in (1, 3, 7, 64):
+    for rows in (1, 2, 3, 7, 64):  # 1 and 2: the K-quants decoded in registers
         x = inputs(rows, k, rows)
         codes = quant_q8.quantize_rows(x, qtype)
         for ours, ref in zip(codes, quant_q8.quantize_reference(x.numpy(), qtype), strict=True):
@@ -101,6 +101,8 @@ def test_a_model_in_this_mode_speculates_exactly(gguf_pair):
         ours, exact = target(ids).logits, load_model(target_dir)(ids).logits
     assert not torch.equal(ours, exact)
     assert (ours - exact).abs().max() < 0.05 * exact.abs().max()  # int8 inputs: near, not equal
+    with torch.no_grad(), quant_q8.exact_layers(target):  # the load-time tree probe's exact computation
+        assert torch.equal(target(ids).logits, exact)
     invariance.test_a_tree_row_is_the_one_token_step_bit_for_bit(target)
     draft = load_model(draft_dir)  # the drafter in the exact mode: any draft law is fine
     gen = SpeculativeGenerator(ModelRunner(target, 256), ModelRunner(draft, 256))
