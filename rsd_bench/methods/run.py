@@ -57,7 +57,10 @@ class Models:
 
 def load_models(args: argparse.Namespace, plan: Plan, draft_dir: Path, target_dir: Path) -> Models:
     tokenizer = load_tokenizer(target_dir)
-    target_model = load_model(target_dir, args.device, plan.target_dtype)
+    try:
+        target_model = load_model(target_dir, args.device, plan.target_dtype, numeric=args.target_numeric)
+    except ValueError as e:
+        raise SystemExit(f"error: --target-numeric {args.target_numeric}: {e}") from None
     needs_draft = any(s.name != "ar" for s in plan.specs) or args.costs_only
     draft_models, quantized, draft_params = {}, {}, None
     for mode in plan.quantize_modes if needs_draft else []:
