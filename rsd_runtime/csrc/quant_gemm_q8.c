@@ -47,6 +47,7 @@ typedef __m256i vk;
 #define QK 256 /* a K-quant block; the 32-blocks are handled one at a time */
 #define JB 4   /* weight rows unpacked and multiplied together */
 #define MAX_ROWS 64
+#define PREFETCH_GROUPS 2 /* how many groups of JB weight rows ahead to prefetch */
 
 #include "ggml_blocks.h"
 
@@ -349,26 +350,25 @@ static inline void inline_q6_k(const uint8_t* const* blk, const int8_t* a, float
             const uint8_t* wr[JB]; /* past the last column: row j again, not stored */                        \
             for (int q = 0; q < JB; q++) wr[q] = w + (j + (q < jn ? q : 0)) * rb;                             \
             memset(acc, 0, sizeof(float) * JB * R);                                                           \
-            for (int64_t b = 0; b < nb; b++) {                                                                \
+            /* Rows are short (a 1536-wide Q6_K row is 1260 bytes): the hardware prefetcher barely trains on   \
+               each group, so the JB rows PREFETCH_GROUPS groups ahead (contiguous) are prefetched by hand. */  \
+            const int64_t ahead = j + PREFETCH_GROUPS * JB;                                                   \
+            const char* pf = ahead + JB <= n1 ? (const char*)(w + ahead * rb) : 0;                            \
+            const int64_t pf_lines = (JB * rb + 63) / 64;                                                     \
+            for (int64_t b = 0, line = 0; b < nb; b++) {                                                      \
+                for (const int64_t end = pf_lines * (b + 1) / nb; pf && line < end; line++)                     \
+                    _mm_prefetch(pf + 64 * line, _MM_HINT_T0); /* the weight rows ahead, a share a block */   \
                 if (INLINE && R <= INLINE_ROWS) {                                                             \
                     const uint8_t* bq[JB];                                                                    \
-                    for (int q = 0; q < JB; q++) {                                                            \
-                        bq[q] = wr[q] + b * BB;                                                               \
-                        if (b + 2 < nb) _mm_prefetch((const char*)(bq[q] + 2 * BB), _MM_HINT_T0);            \
-                    }                                                                                         \
+                    for (int q = 0; q < JB; q++) bq[q] = wr[q] + b * BB;                                      \
                     for (int64_t r = 0; r < R; r++)                                                           \
                         inline_##T(bq, xq + r * K + b * B, xd[r * nb + b], xs + (r * nb + b) * SB, acc[r]);  \
                     continue;                                                                                 \
                 }                                                                                             \
-                for (int q = 0; q < JB; q++) {                                                                \
-                    unpack_##T(wr[q] + b * BB, &wb, q);                                                       \
-                    if (b + 2 < nb) _mm_prefetch((const char*)(wr[q] + (b + 2) * BB), _MM_HINT_T0);          \
-                }                                                                                             \
+                for (int q = 0; q < JB; q++) unpack_##T(wr[q] + b * BB, &wb, q);                              \
                 for (int64_t r = 0; r < R; r++)                                                               \
                     row_##T(&wb, xq + r * K + b * B, xd[r * nb + b], xs + (r * nb + b) * SB, acc[r]);        \
             }                                                                                                 \
-            if (j + JB < n1) /* the next rows' first blocks */                                               \
-                for (int q = 0; q < JB && j + JB + q < n1; q++) _mm_prefetch((const char*)(w + (j + JB + q) * rb), _MM_HINT_T0); \
             for (int64_t r = 0; r < R; r++)                                                                   \
                 for (int q = 0; q < jn; q++) y[r * N + j + q] = acc[r][q];                                    \
         }                                                                                                     \
