@@ -23,9 +23,9 @@ one with the highest block efficiency per (method, budget, temperature) as "best
 target alone also runs with plain F.linear (ar:plain); --ar-dtype D adds the target alone loaded a
 second time in dtype D (ar:D), so the baseline is the fastest target configuration found in the same
 run; speedup_vs_ar divides by the fastest ar row. --draft-dtype/--target-dtype give each model its
-own dtype (as the drafter and verifier services do); --target-numeric q8_activations serves a GGUF target with
-int8 activations (rsd_runtime.quant_q8; recorded as models.target.numeric). --draft-quantize none,int8 compares drafters in
-one run: every speculative method runs again with each further drafter (label +int8), and each
+own dtype (as the drafter and verifier services do); --target-numeric q8_activations serves a GGUF
+target with int8 activations (rsd_runtime.quant_q8; recorded as models.target.numeric). --draft-quantize
+none,int8 compares drafters in one run: every speculative method runs again with each further drafter (label +int8), and each
 drafter's forward is timed at --draft-cost-tokens (--costs-only: only those timings). --cores pins the
 process; the result files record the placement and the CPU's notable flags.
 
