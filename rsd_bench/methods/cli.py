@@ -25,8 +25,8 @@ second time in dtype D (ar:D), so the baseline is the fastest target configurati
 run; speedup_vs_ar divides by the fastest ar row. --draft-dtype/--target-dtype give each model its
 own dtype (as the drafter and verifier services do); --target-numeric q8_activations serves a GGUF
 target with int8 activations (rsd_runtime.quant_q8; recorded as models.target.numeric). --draft-quantize
-none,int8 compares drafters in one run: every speculative method runs again with each further drafter (label +int8), and each
-drafter's forward is timed at --draft-cost-tokens (--costs-only: only those timings). --cores pins the
+none,int8 compares drafters in one run: every speculative method runs again with each further drafter
+(label +int8), and each drafter's forward is timed at --draft-cost-tokens (--costs-only: only those timings). --cores pins the
 process; the result files record the placement and the CPU's notable flags.
 
 Prompts: by default functions of the Python standard library of the running interpreter (a fixed
