@@ -26,8 +26,8 @@ run; speedup_vs_ar divides by the fastest ar row. --draft-dtype/--target-dtype g
 own dtype (as the drafter and verifier services do); --target-numeric q8_activations serves a GGUF
 target with int8 activations (rsd_runtime.quant_q8; recorded as models.target.numeric). --draft-quantize
 none,int8 compares drafters in one run: every speculative method runs again with each further drafter
-(label +int8), and each drafter's forward is timed at --draft-cost-tokens (--costs-only: only those timings). --cores pins the
-process; the result files record the placement and the CPU's notable flags.
+(label +int8), and each drafter's forward is timed at --draft-cost-tokens (--costs-only: only those
+timings). --cores pins the process; the result files record the placement and the CPU's notable flags.
 
 Prompts: by default functions of the Python standard library of the running interpreter (a fixed
 module list; module-level functions with a docstring and a body after it), cut after the signature
