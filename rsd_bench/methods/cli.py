@@ -24,7 +24,8 @@ target alone also runs with plain F.linear (ar:plain); --ar-dtype D adds the tar
 second time in dtype D (ar:D), so the baseline is the fastest target configuration found in the same
 run; speedup_vs_ar divides by the fastest ar row. --draft-dtype/--target-dtype give each model its
 own dtype (as the drafter and verifier services do); --target-numeric q8_activations serves a GGUF
-target with int8 activations (rsd_runtime.quant_q8; recorded as models.target.numeric). --draft-quantize
+target with int8 activations (rsd_runtime.quant_q8; recorded as models.target.numeric), --draft-numeric
+the drafter. --draft-quantize
 none,int8 compares drafters in one run: every speculative method runs again with each further drafter
 (label +int8), and each drafter's forward is timed at --draft-cost-tokens (--costs-only: only those
 timings). --cores pins the process; the result files record the placement and the CPU's notable flags.
@@ -121,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=NUMERICS,
         help="a GGUF target's numeric mode (q8_activations: int8 activations as llama.cpp; rsd_runtime.quant_q8)",
     )
+    ap.add_argument("--draft-numeric", default="exact", choices=NUMERICS, help="a GGUF drafter's numeric mode")
     ap.add_argument(
         "--ar-dtype",
         action="append",
