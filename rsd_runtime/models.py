@@ -341,7 +341,7 @@ def int8_speedup(model: torch.nn.Module, rows: tuple[int, ...] = (1, 4), reps: i
         used = min(n_out, 8192)
         layer = first[(n_in, n_out)]
         if isinstance(layer, quant.QuantLinear):  # a GGUF drafter: its own blocks against int8
-            layer = quant.QuantLinear(layer.blocks[:used], layer.qtype, n_in, used)
+            layer = type(layer)(layer.blocks[:used], layer.qtype, n_in, used)  # in its numeric mode
         weight = layer.dequantized().weight if isinstance(layer, quant.QuantLinear) else layer.weight[:used]
         float_layer = torch.nn.Linear(n_in, used, bias=False, dtype=weight.dtype)
         float_layer.weight.copy_(weight)

@@ -13,7 +13,7 @@ from rsd.methods import Method
 from rsd.sampling import SamplingParams
 from rsd_runtime import quant, quant_q8
 from rsd_runtime.generator import SpeculativeGenerator
-from rsd_runtime.models import batch_variance, load_model
+from rsd_runtime.models import batch_variance, load_model, prepare_draft
 from rsd_runtime.runner import ModelRunner
 from rsd_tools.tiny import build_tiny_gguf_pair, build_tiny_pair
 from tests.rsd_runtime.test_generator import PROMPTS, target_greedy
@@ -104,7 +104,9 @@ def test_a_model_in_this_mode_speculates_exactly(gguf_pair):
     with torch.no_grad(), quant_q8.exact_layers(target):  # the load-time tree probe's exact computation
         assert torch.equal(target(ids).logits, exact)
     invariance.test_a_tree_row_is_the_one_token_step_bit_for_bit(target)
-    draft = load_model(draft_dir)  # the drafter in the exact mode: any draft law is fine
+    draft = load_model(draft_dir, numeric="q8_activations")  # any known draft law is fine: this one too
+    prepare_draft(draft, draft_vocab=100)  # its pruned GGUF head keeps the mode
+    assert isinstance(draft.get_output_embeddings().kept, quant_q8.Q8ActivationLinear)
     gen = SpeculativeGenerator(ModelRunner(target, 256), ModelRunner(draft, 256))
     for name, shape in (("sd", "4"), ("rsd_s", "3x4")):
         for prompt in PROMPTS:
