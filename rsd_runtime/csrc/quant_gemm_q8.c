@@ -14,7 +14,8 @@
    same function in numpy (tests hold the two equal bit for bit).
 
    Weights: JB = 4 weight rows at a time, each block unpacked once a call into unsigned byte codes and int16
-   scales in L1, then multiplied with every input row (maddubs + madd, or AVX512-VNNI's dpwssd / dpbusd). */
+   scales in L1, then multiplied with every input row (maddubs + madd, or AVX512-VNNI's dpwssd / dpbusd); a
+   one-row call decodes the K-quant blocks in registers instead. The rows two groups ahead are prefetched. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -257,10 +258,10 @@ static inline void row_q5_0(const wblock* w, const int8_t* a, float da, const in
 }
 
 
-/* ---- one or two rows: the K-quant blocks decoded in registers for each row (ggml's AVX2 way), no unpacked
-   copy written and read back: a one-token forward reads each block once. The same integers (exact), then the
-   same float steps (row_q4_k, row_q6_k), so the bits are the unpacked path's. */
-#define INLINE_ROWS 2
+/* ---- one row: the K-quant blocks decoded in registers (ggml's AVX2 way), no unpacked copy written and read
+   back. The same integers (exact), then the same float steps (row_q4_k, row_q6_k), so the bits are the unpacked
+   path's. From two rows on, unpacking once costs less than decoding again for each row (measured). */
+#define INLINE_ROWS 1
 #if defined(Q8_VNNI)
 #define DOTW256(acc, a, b) _mm256_dpwssd_epi32(acc, a, b)
 #else
