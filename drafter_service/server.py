@@ -106,7 +106,7 @@ async def create_server(
 def load_draft(config: DrafterConfig) -> tuple[torch.nn.Module, str]:
     """The draft model as the config says: loaded, vocabulary pruned, then quantised (in that order:
     rsd_runtime.models.quantize_draft). Returns (model, the quantisation applied)."""
-    model = load_model(config.model, config.device, config.dtype, config.attn_implementation)
+    model = load_model(config.model, config.device, config.dtype, config.attn_implementation, numeric=config.numeric)
     return model, prepare_draft(model, config.draft_vocab, config.quantize, config.dtype)
 
 

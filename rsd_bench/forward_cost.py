@@ -11,6 +11,9 @@ and summarised by the minimum over reps (a background load only ever adds time):
     small_gemm   rsd_runtime.small_gemm: each weight streamed once for all rows (AVX2, AVX512-BF16, AMX-BF16)
     gguf         a GGUF target on its own quantised blocks (rsd_runtime.quant); the other kernels then run on
                  the same model dequantised to float32 (the fp32 detour), in the same run
+    gguf_q8      the same blocks in the opt-in numeric mode "q8_activations" (rsd_runtime.quant_q8: int8
+                 activations and integer block sums, as llama.cpp computes; another function, so the result
+                 also gives its largest logit difference from gguf's on the one-token forward)
 
 The prompt sits in the KV cache first (--context tokens), so attention is realistic. Also checks that a
 tree's logits stay within float rounding of the one-token path (the max difference is reported).
@@ -30,7 +33,8 @@ from rsd_service.placement import add_placement_flags, apply_placement
 from rsd_tools.defaults import RESULTS_DIR
 
 KERNELS = ("f_linear", "torch", "small_gemm")  # rsd_runtime.linear.LINEAR_KERNELS (torch loads after placement)
-GGUF_KERNELS = ("gguf", "small_gemm")  # the default for a GGUF target
+GGUF_KERNELS = ("gguf", "small_gemm")  # the default for a GGUF target (gguf_q8 on request)
+ON_BLOCKS = ("gguf", "gguf_q8")  # kernels that are models of their own, not set_linear_kernel's
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--cache-dir", type=Path, default=None)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--tokens", default="1,2,4,6,8,12,16", help="forward sizes (comma-separated)")
-    ap.add_argument("--kernels", help=f"some of {','.join(KERNELS)} (gguf too for a GGUF target; default: all)")
+    ap.add_argument("--kernels", help=f"some of {','.join(KERNELS)} (gguf, gguf_q8 too for a GGUF target)")
     ap.add_argument("--context", type=int, default=128, help="tokens in the cache before the timed forwards")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--bandwidth-gib", type=float, default=2, help="GiB read to measure the read bandwidth")
@@ -65,13 +69,15 @@ def main(argv: list[str] | None = None) -> int:
     kernels = (args.kernels or ",".join(GGUF_KERNELS if file else KERNELS)).split(",")
     served = load_model(target_dir, "cpu", args.dtype)
     models = {"gguf": served} if file and "gguf" in kernels else {}
-    if any(k != "gguf" for k in kernels):
+    if file and "gguf_q8" in kernels:
+        models["gguf_q8"] = load_model(target_dir, "cpu", args.dtype, numeric="q8_activations")
+    if any(k not in ON_BLOCKS for k in kernels):
         plain = served
         if file:  # a GGUF target's fp32 detour: the same weights dequantised, attending as the served model
             plain = load_gguf(file, quantized=False).to(parse_dtype(args.dtype))
             plain.set_attn_implementation(served.config._attn_implementation)
         use_small_batch_linear(plain, 64)
-        models.update({k: plain for k in kernels if k != "gguf"})
+        models.update({k: plain for k in kernels if k not in ON_BLOCKS})
     runners = {id(m): ModelRunner(m, max_len=args.context + 64) for m in models.values()}
     sizes = sorted({int(n) for n in args.tokens.split(",")} | {1})
     vocab = next(iter(models.values())).config.vocab_size
@@ -84,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         return out
 
     def use(kernel: str) -> None:
-        if kernel != "gguf":
+        if kernel not in ON_BLOCKS:
             set_linear_kernel(models[kernel], kernel, 64)
 
     for runner in runners.values():
@@ -104,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         use(kernel)
         one, many = forward(kernel, 1)[0], forward(kernel, max(sizes))[0]
         rounding[kernel] = float((one.float() - many.float()).abs().max())
+    q8_vs_exact = None
+    if {"gguf", "gguf_q8"} <= set(kernels):  # what int8 activations change in the one-token logits
+        q8_vs_exact = float((forward("gguf_q8", 1)[0] - forward("gguf", 1)[0]).abs().max())
     bandwidth = read_bandwidth_gbps(args.bandwidth_gib)
     weight_gb = {k: weight_bytes(models[k]) / 1e9 for k in kernels}
     rows = []
@@ -128,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         "placement": {"cores": placement.cores, "threads": placement.threads},
         "machine": machine_info(),
         "max_abs_logit_diff_first_row_vs_one_token": rounding,
+        "max_abs_logit_diff_gguf_q8_vs_gguf": q8_vs_exact,
         "read_bandwidth_gbps": round(bandwidth, 1),
         "weight_gb": {k: round(v, 3) for k, v in weight_gb.items()},
         "rows": rows,
@@ -183,7 +193,11 @@ def markdown(result: dict) -> str:
         cells = [f"{r['ms']:.0f} ({r['ratio_to_1_token']:.2f}x; {r.get('bandwidth_fraction', 0):.2f})" for r in rows]
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     diffs = ", ".join(f"{k} {v:.1e}" for k, v in result["max_abs_logit_diff_first_row_vs_one_token"].items())
-    lines += ["", f"Max |logit difference| of a chain's first row against the one-token forward: {diffs}.", ""]
+    lines += ["", f"Max |logit difference| of a chain's first row against the one-token forward: {diffs}."]
+    if result.get("max_abs_logit_diff_gguf_q8_vs_gguf") is not None:
+        lines += [f"gguf_q8 (int8 activations) against gguf, one token: max |logit difference| "
+                  f"{result['max_abs_logit_diff_gguf_q8_vs_gguf']:.3f} (another function, by design)."]  # fmt: skip
+    lines.append("")
     return "\n".join(lines)
 
 

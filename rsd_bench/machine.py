@@ -49,6 +49,7 @@ def model_info(path: Path, model, dtype: str, device: str, params: int | None = 
         "dtype_asked": dtype,
         "device": device,
         "attention": model.config._attn_implementation,
+        "numeric": getattr(model, "rsd_numeric", "exact"),  # a GGUF model's numeric mode (load_model)
         # why a row's logits may depend on its batch-mates ("" = never: rsd_runtime.models.batch_variance)
         "batch_variance": batch_variance(model),
     }

@@ -35,7 +35,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from rsd_runtime import row_attention
+from rsd_runtime import quant_q8, row_attention
 
 # Backends that add our 4-D float mask as is (flash/flex ignore it or want a BlockMask).
 GROUPED_SDPA = "grouped_sdpa"
@@ -287,10 +287,12 @@ def probe_tree_forward(model: PreTrainedModel, plan: AttentionPlan) -> float:
     ids, pos, allowed = probe_inputs(model)
     masks = plan.masks(allowed.to(model.device), pos, pos, model.dtype)
     try:
-        tree = model(input_ids=ids[None], attention_mask=masks, position_ids=pos[None], use_cache=False)
-        tree_logits = tree.logits[0, 2:].float()  # [3, V]: a, b, c
-        paths = ([0, 1, 2], [0, 1, 3], [0, 1, 3, 4])
-        ref = torch.stack([model(input_ids=ids[list(p)][None], use_cache=False).logits[0, -1].float() for p in paths])
+        with quant_q8.exact_layers(model):  # positions and masks, not int8 rounding steps (its docstring)
+            tree = model(input_ids=ids[None], attention_mask=masks, position_ids=pos[None], use_cache=False)
+            tree_logits = tree.logits[0, 2:].float()  # [3, V]: a, b, c
+            paths = ([0, 1, 2], [0, 1, 3], [0, 1, 3, 4])
+            ref = [model(input_ids=ids[list(p)][None], use_cache=False).logits[0, -1].float() for p in paths]
+        ref = torch.stack(ref)
     except Exception as e:  # what the model cannot take is a refusal, not a crash in the first request
         raise UnsupportedModelError(f"{arch}: a tree forward with a 4-D mask and positions fails: {e}") from e
     err = relative_logit_error(tree_logits, ref)

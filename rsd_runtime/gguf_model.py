@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rsd_runtime import quant
+from rsd_runtime import quant, quant_q8
 
 log = logging.getLogger(__name__)
 
@@ -89,14 +89,24 @@ def _module_name(gguf_name: str) -> tuple[str, str]:
     raise ValueError(f"tensor {gguf_name!r} has no place in the model")
 
 
-def load_gguf(path: str | Path, attn_implementation: str = "sdpa", quantized: bool | None = None):
+def load_gguf(
+    path: str | Path, attn_implementation: str = "sdpa", quantized: bool | None = None, numeric: str = "exact"
+):
     """The model of GGUF file `path` (see the module docstring), float32 on the CPU, eval mode, no gradients.
-    quantized: keep kernel-type linear weights as QuantLinear (None: where rsd_runtime.quant's kernel runs)."""
+    quantized: keep kernel-type linear weights as QuantLinear (None: where rsd_runtime.quant's kernel runs).
+    numeric "q8_activations": those layers compute with int8 activations instead (rsd_runtime.quant_q8; an
+    explicit choice of another function, refused where its kernel cannot run)."""
     from gguf import GGUFReader
     from transformers import AutoModelForCausalLM
 
     file = Path(path)
     config = gguf_config(file)
+    layer_class = quant.QuantLinear
+    numeric = quant_q8.check_numeric(numeric)
+    if numeric == "q8_activations":
+        if problem := quant_q8.unavailable_reason():
+            raise ValueError(problem)
+        quantized, layer_class = True, quant_q8.Q8ActivationLinear
     if quantized is None:
         quantized = quant.kernel_name() is not None
         if not quantized:
@@ -121,11 +131,12 @@ def load_gguf(path: str | Path, attn_implementation: str = "sdpa", quantized: bo
         if leaf == "weight" and isinstance(module, torch.nn.Linear) and quantized and qtype in quant.KERNEL_TYPES:
             blocks = torch.from_numpy(np.array(data))  # a copy: the model does not hold the file open
             bias = None if module.bias is None else module.bias.data  # set already (still meta if the file lacks it)
-            _replace(model, module_name, quant.QuantLinear(blocks, qtype, shape[1], shape[0], bias))
+            _replace(model, module_name, layer_class(blocks, qtype, shape[1], shape[0], bias))
             continue
         setattr(module, leaf, torch.nn.Parameter(_dequantized(data, qtype, shape), requires_grad=False))
     _fresh_rotary(model, config)
     _check_complete(model, file)
+    model.rsd_numeric = numeric
     return model.eval().requires_grad_(False)
 
 

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from rsd_runtime import DTYPE_NAMES, QUANTIZE_MODES, quant, row_attention, small_gemm
+from rsd_runtime import DTYPE_NAMES, QUANTIZE_MODES, quant, quant_q8, row_attention, small_gemm
 from rsd_runtime.attention import GROUPED_SDPA, PROBE_KEYS, ROW_SDPA, check_model
 from rsd_runtime.gguf_model import gguf_file, load_gguf
 from rsd_runtime.lean import lean_decoder, use_lean_forward
@@ -56,6 +56,7 @@ def load_model(
     dtype: str = "float32",
     attn_implementation: str = "auto",
     small_batch_rows: int | None = None,
+    numeric: str = "exact",
 ) -> PreTrainedModel:
     """A causal LM in eval mode with gradients off, on `device` (any torch device string).
 
@@ -74,14 +75,24 @@ def load_model(
     query row reduced alone, so a tree node's logits are the one-token step's bit for bit), else eager (Gemma2,
     GPT-Neo, Bloom, MPT, XGLM have no sdpa path); the choice is logged and kept in model.config._attn_implementation.
     Tree forwards need one of rsd_runtime.attention.MASKED_ATTENTION.
+
+    numeric: "exact" (the default: the file's float32 weights, float32 sums) or the opt-in "q8_activations"
+    (a GGUF model's quantised layers computed with int8 activations as llama.cpp does: rsd_runtime.quant_q8;
+    another deterministic function, refused with the reason where it cannot run). Kept in model.rsd_numeric.
     """
+    numeric = quant_q8.check_numeric(numeric)
     gguf = gguf_file(path)
+    if numeric != "exact":
+        on_cpu = torch.device(device).type == "cpu"
+        torch_dtype = torch.float32 if dtype == "auto" and on_cpu else parse_dtype(dtype, device)
+        if problem := quant_q8.unavailable_reason(device, torch_dtype, gguf is not None):
+            raise ValueError(problem)
     attn = "sdpa" if attn_implementation == "auto" else attn_implementation
     if gguf is not None:
         on_cpu = torch.device(device).type == "cpu"
         torch_dtype = torch.float32 if dtype == "auto" and on_cpu else parse_dtype(dtype, device)
         quantized = on_cpu and torch_dtype == torch.float32 and quant.kernel_name() is not None
-        model = load_gguf(gguf, attn, quantized).to(torch_dtype)
+        model = load_gguf(gguf, attn, quantized, numeric).to(torch_dtype)
     else:
         kwargs = {"dtype": parse_dtype(dtype, device)}
         try:
@@ -90,6 +101,7 @@ def load_model(
             if attn_implementation != "auto" or ("scaled_dot_product_attention" not in str(e) and "sdpa" not in str(e)):
                 raise
             model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager", **kwargs)
+    model.rsd_numeric = numeric
     auto_sdpa = attn_implementation == "auto" and model.config._attn_implementation == "sdpa"
     if auto_sdpa and model._can_set_attn_implementation():
         # sdpa up to float rounding, without repeat_kv's copies; on a CPU a row's bits its own (batch_variance)
@@ -124,6 +136,9 @@ def _quantized_summary(model: torch.nn.Module) -> str:
     if not types:
         return ""
     listed = ", ".join(f"{name} x {n}" for name, n in sorted(types.items()))
+    if getattr(model, "rsd_numeric", "exact") == "q8_activations":
+        kernel = f"int8 activations, {quant_q8.kernel_name()}"
+        return f", {types.total()} linear layers on GGUF blocks ({listed}; {kernel} kernel)"
     return f", {types.total()} linear layers on GGUF blocks ({listed}; {quant.kernel_name()} kernel)"
 
 
@@ -185,7 +200,9 @@ class PrunedLMHead(torch.nn.Module):
         self.vocab_size = vocab
         if isinstance(lm_head, quant.QuantLinear):  # a GGUF head: its first `keep` rows of blocks
             bias = None if lm_head.bias is None else lm_head.bias[:keep]
-            self.kept = quant.QuantLinear(lm_head.blocks[:keep].clone(), lm_head.qtype, hidden, keep, bias)
+            self.kept = type(lm_head)(
+                lm_head.blocks[:keep].clone(), lm_head.qtype, hidden, keep, bias
+            )  # its numeric too
             return
         self.kept = torch.nn.Linear(hidden, keep, bias=lm_head.bias is not None)  # use_small_batch_linear may swap it
         self.kept.to(lm_head.weight.device, lm_head.weight.dtype)
@@ -324,7 +341,7 @@ def int8_speedup(model: torch.nn.Module, rows: tuple[int, ...] = (1, 4), reps: i
         used = min(n_out, 8192)
         layer = first[(n_in, n_out)]
         if isinstance(layer, quant.QuantLinear):  # a GGUF drafter: its own blocks against int8
-            layer = quant.QuantLinear(layer.blocks[:used], layer.qtype, n_in, used)
+            layer = type(layer)(layer.blocks[:used], layer.qtype, n_in, used)  # in its numeric mode
         weight = layer.dequantized().weight if isinstance(layer, quant.QuantLinear) else layer.weight[:used]
         float_layer = torch.nn.Linear(n_in, used, bias=False, dtype=weight.dtype)
         float_layer.weight.copy_(weight)

@@ -67,25 +67,33 @@ def build(name: str) -> ctypes.CDLL:
 @functools.cache
 def _library() -> tuple[ctypes.CDLL | None, str]:
     """The kernel this process runs and its name, or (None, why none). Built once a process."""
+    lib, name = first_build(_BUILDS, build, "quantised kernel")
+    if lib is None:
+        log.info("no quantised kernel (GGUF models are dequantised on load): %s", name)
+    return lib, name
+
+
+def first_build(builds: dict, make, what: str) -> tuple[ctypes.CDLL | None, str]:
+    """The first of `builds` (name -> (cflags, CPU flags), preferred first) this CPU runs and `make(name)` builds,
+    and its name; or (None, why none). RSD_SMALL_GEMM narrows the choice ("avx2": that build only, "0": none)."""
     setting = os.environ.get("RSD_SMALL_GEMM", "1")
     if setting == "0":
         return None, "RSD_SMALL_GEMM=0"
     reasons = []
-    for name in _BUILDS:
+    for name, (_, flags) in builds.items():
         if setting == "avx2" and name != "avx2":
             continue
-        if not runs_here(name):
-            missing = [f for f in _BUILDS[name][1] if f not in small_gemm._cpu_flags()]
+        missing = [f for f in flags if f not in small_gemm._cpu_flags()]
+        if missing:
             reasons.append(f"{name}: the CPU lacks {', '.join(missing)}")
             continue
         try:
-            lib = build(name)
+            lib = make(name)
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             reasons.append(f"{name}: cannot build or load it: {(getattr(e, 'stderr', '') or str(e)).strip()}")
             continue
-        log.info("quantised kernel: %s", name)
+        log.info("%s: %s", what, name)
         return lib, name
-    log.info("no quantised kernel (GGUF models are dequantised on load): %s", "; ".join(reasons))
     return None, "; ".join(reasons) or "no kernel"
 
 

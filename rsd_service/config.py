@@ -112,6 +112,9 @@ class ModelServiceConfig(ServiceConfig):
     # The folder whose tokenizer structured output's automata read ("" = the model folder); loaded at the
     # first request with params.constraint (rsd_runtime.constraint).
     tokenizer: str = ""
+    # Numeric mode of a GGUF model's quantised layers: "exact" (float32 weights and sums) or the opt-in
+    # "q8_activations" (int8 activations as llama.cpp computes: rsd_runtime.quant_q8; CPU float32 only).
+    numeric: str = "exact"
     # KV capacity per session, in tokens: committed prefix + one tree.
     max_len: int = 2048
     # Registry: "" = do not register; else a redis:// URL. The entry is refreshed every heartbeat_s
@@ -128,6 +131,7 @@ class ModelServiceConfig(ServiceConfig):
             **super().checks(),
             "max_len": self.max_len >= 2,
             "attn_implementation": self.attn_implementation in ("auto", "sdpa", "eager"),
+            "numeric": self.numeric.replace("-", "_") in ("exact", "q8_activations"),  # rsd_runtime.NUMERICS
             "heartbeat_s": self.heartbeat_s > 0,
             "registration_ttl_s": self.registration_ttl_s > self.heartbeat_s,
             "threads": self.threads >= 0,

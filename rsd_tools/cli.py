@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rsd.methods import VERIFICATIONS
-from rsd_runtime import DTYPE_NAMES, QUANTIZE_MODES
+from rsd_runtime import DTYPE_NAMES, NUMERICS, QUANTIZE_MODES
 from rsd_service.placement import add_placement_flags
 from rsd_tools.defaults import CODE_PROMPT, DEFAULT_METHOD, DEFAULT_SHAPES
 
@@ -66,6 +66,13 @@ def _add_generate(sub) -> None:
         default="auto",
         choices=["auto", "sdpa", "eager"],
         help="attention backend of both models (auto: sdpa where the architecture has it, else eager)",
+    )
+    p.add_argument(
+        "--target-numeric",
+        default="exact",
+        choices=NUMERICS,
+        help="a GGUF target's numeric mode: exact (its float32 weights) or q8_activations (int8 activations as "
+        "llama.cpp computes: another deterministic function, speculation against it still exact; CPU float32)",
     )
     p.add_argument("--draft-top-k", type=int, default=0, help="drafter-side truncation of its proposal")
     p.add_argument("--draft-top-p", type=float, default=1.0)
@@ -202,8 +209,13 @@ def generate(args) -> int:
     print(f"loading target {target_dir} ({args.target_device}, {args.target_dtype})", file=sys.stderr)
     tokenizer = load_tokenizer(target_dir)
 
-    def load(path, device, dtype, draft_vocab=None, quantize="none"):  # draft_vocab set: the drafter
-        model = load_model(path, device, dtype, args.attn_implementation)
+    def load(path, device, dtype, draft_vocab=None, quantize="none", numeric="exact"):  # draft_vocab: the drafter
+        try:
+            model = load_model(path, device, dtype, args.attn_implementation, numeric=numeric)
+        except ValueError as e:
+            if numeric == "exact":
+                raise
+            raise SystemExit(f"error: {path}: {e}") from None
         print(f"  {type(model).__name__}, attention {model.config._attn_implementation}", file=sys.stderr)
         try:  # drafter only: prune, quantise, lean forward (rsd_runtime.models.prepare_draft)
             applied = prepare_draft(model, draft_vocab, quantize, dtype) if draft_vocab is not None else "none"
@@ -218,7 +230,7 @@ def generate(args) -> int:
         except UnsupportedModelError as e:
             raise SystemExit(f"error: {path}: {e}") from None
 
-    target = load(target_dir, args.target_device, args.target_dtype)
+    target = load(target_dir, args.target_device, args.target_dtype, numeric=args.target_numeric)
     draft = None
     if method is not None:
         print(f"loading draft {draft_dir} ({args.draft_device}, {args.draft_dtype})", file=sys.stderr)

@@ -102,7 +102,12 @@ async def create_server(
     try:
         if model is None:
             model = await compute.call(
-                load_model, config.model, config.device, config.dtype, config.attn_implementation
+                load_model,
+                config.model,
+                config.device,
+                config.dtype,
+                config.attn_implementation,
+                numeric=config.numeric,
             )
         engine = await compute.call(VerifierPool, model, config.num_slots, config.max_len)  # its probe forward too
     except BaseException:
@@ -124,9 +129,10 @@ async def create_server(
     handle.placement = placement
     await handle.register(server, config)
     log.info(
-        "verifier %s on %s: %d slots, max_len %d, cores %s, %d threads",
+        "verifier %s on %s: numeric %s, %d slots, max_len %d, cores %s, %d threads",
         handle.verifier_id,
         address,
+        getattr(model, "rsd_numeric", "exact"),
         config.num_slots,
         config.max_len,
         placement.cores,

@@ -23,10 +23,12 @@ one with the highest block efficiency per (method, budget, temperature) as "best
 target alone also runs with plain F.linear (ar:plain); --ar-dtype D adds the target alone loaded a
 second time in dtype D (ar:D), so the baseline is the fastest target configuration found in the same
 run; speedup_vs_ar divides by the fastest ar row. --draft-dtype/--target-dtype give each model its
-own dtype (as the drafter and verifier services do). --draft-quantize none,int8 compares drafters in
-one run: every speculative method runs again with each further drafter (label +int8), and each
-drafter's forward is timed at --draft-cost-tokens (--costs-only: only those timings). --cores pins the
-process; the result files record the placement and the CPU's notable flags.
+own dtype (as the drafter and verifier services do); --target-numeric q8_activations serves a GGUF
+target with int8 activations (rsd_runtime.quant_q8; recorded as models.target.numeric), --draft-numeric
+the drafter. --draft-quantize
+none,int8 compares drafters in one run: every speculative method runs again with each further drafter
+(label +int8), and each drafter's forward is timed at --draft-cost-tokens (--costs-only: only those
+timings). --cores pins the process; the result files record the placement and the CPU's notable flags.
 
 Prompts: by default functions of the Python standard library of the running interpreter (a fixed
 module list; module-level functions with a docstring and a body after it), cut after the signature
@@ -67,6 +69,7 @@ from rsd_bench.methods.planning import (
 from rsd_bench.methods.report import markdown, plots
 from rsd_bench.prompts import STDLIB_MODULES, file_prompts, stdlib_prompts
 from rsd_bench.stats import BOOTSTRAP_RESAMPLES
+from rsd_runtime import NUMERICS
 from rsd_service.placement import add_placement_flags
 from rsd_tools.defaults import RESULTS_DIR, TEMPERATURES
 
@@ -113,6 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="float32", choices=dtypes, help="both models' dtype (auto: rsd_runtime.models)")
     ap.add_argument("--draft-dtype", choices=dtypes, help="the drafter's dtype (default: --dtype)")
     ap.add_argument("--target-dtype", choices=dtypes, help="the target's dtype (default: --dtype)")
+    ap.add_argument(
+        "--target-numeric",
+        default="exact",
+        choices=NUMERICS,
+        help="a GGUF target's numeric mode (q8_activations: int8 activations as llama.cpp; rsd_runtime.quant_q8)",
+    )
+    ap.add_argument("--draft-numeric", default="exact", choices=NUMERICS, help="a GGUF drafter's numeric mode")
     ap.add_argument(
         "--ar-dtype",
         action="append",

@@ -57,11 +57,17 @@ class Models:
 
 def load_models(args: argparse.Namespace, plan: Plan, draft_dir: Path, target_dir: Path) -> Models:
     tokenizer = load_tokenizer(target_dir)
-    target_model = load_model(target_dir, args.device, plan.target_dtype)
+    try:
+        target_model = load_model(target_dir, args.device, plan.target_dtype, numeric=args.target_numeric)
+    except ValueError as e:
+        raise SystemExit(f"error: --target-numeric {args.target_numeric}: {e}") from None
     needs_draft = any(s.name != "ar" for s in plan.specs) or args.costs_only
     draft_models, quantized, draft_params = {}, {}, None
     for mode in plan.quantize_modes if needs_draft else []:
-        model = load_model(draft_dir, args.device, plan.draft_dtype)
+        try:
+            model = load_model(draft_dir, args.device, plan.draft_dtype, numeric=args.draft_numeric)
+        except ValueError as e:
+            raise SystemExit(f"error: --draft-numeric {args.draft_numeric}: {e}") from None
         draft_params = sum(p.numel() for p in model.parameters())
         try:  # prune, quantise, lean forward: rsd_runtime.models.prepare_draft
             quantized[mode] = prepare_draft(model, args.draft_vocab, mode, plan.draft_dtype)

@@ -80,13 +80,7 @@ static inline float hsum(vf v) {
 #define RN 3 /* 12 of the 16 ymm registers */
 #endif
 
-enum { Q8_0 = 8, Q5_0 = 6, Q4_K = 12, Q6_K = 14 }; /* GGML type ids */
-
-static inline float f16(const uint8_t* p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
+#include "ggml_blocks.h"
 
 /* Rebuild the n weights (a multiple of 32, at most CK) at k = k0 (a multiple of CK) of one weight row into
    out[n], exactly as dequantize does. A K-quant block is CK weights, so its scales are decoded once. */
@@ -114,18 +108,6 @@ REBUILD rebuild_q5_0(const uint8_t* row, int64_t k0, int64_t n, float* out) {
             VSTORE(out + e + i, VMUL(d, VCVT(ISUB(IOR(nib, ISLL(hb, 4)), ISET1(16))))); /* d * (q - 16) */
         }
     }
-}
-
-/* The 8 scales and 8 mins of a Q4_K block (6 bits each, packed in 12 bytes as ggml's get_scale_min_k4 reads
-   them), unpacked 4 at a time in 32-bit words (ggml's own trick): sc[j] = byte j of out[0..1], m[j] of out[2..3]. */
-static inline void q4_k_scales(const uint8_t* s, uint32_t out[4]) {
-    uint32_t u[3];
-    memcpy(u, s, 12);
-    const uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
-    out[0] = u[0] & k1;
-    out[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
-    out[2] = u[1] & k1;
-    out[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
 }
 
 REBUILD rebuild_q4_k(const uint8_t* row, int64_t k0, int64_t n, float* out) {

@@ -1,4 +1,5 @@
-"""`rsd generate` in process on the tiny pair: the verification flag reaches the generator and is reported."""
+"""`rsd generate` in process on the tiny pair: the verification flag reaches the generator and is reported; a
+target numeric mode it cannot take is refused."""
 
 from __future__ import annotations
 
@@ -14,3 +15,5 @@ def test_generate_in_process_with_a_verification(tmp_path, capsys):
     assert "rule=traversal]" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="block verification is exact for one chain only"):
         cli.main([*argv[:-1], "block"])  # refused before any model loads
+    with pytest.raises(SystemExit, match="not a GGUF file"):  # the tiny pair is a checkpoint folder
+        cli.main([*argv, "--target-numeric", "q8_activations"])

@@ -1,0 +1,241 @@
+"""The opt-in numeric mode "q8_activations": GGUF linear layers computed as llama.cpp's CPU backend computes them.
+
+The exact mode (rsd_runtime.quant) multiplies float32 inputs with each weight rebuilt in float32. In this mode
+each input row is first quantised to 8 bits per block, exactly as ggml's reference code does (Q8_K per 256
+values for the Q4_K/Q6_K weights: quantize_row_q8_K_ref; Q8_0 per 32 for Q8_0/Q5_0: quantize_row_q8_0_ref),
+each block's dot product is taken in integers (exact), and the block scales are applied in one fixed float
+order (csrc/quant_gemm_q8.c's header). The served model is then "this file's model computed with int8
+activations": a different function from the exact mode's, but a deterministic function of each row alone, so
+speculative decoding against it stays exact (a tree row equals the one-token row bit for bit, tests hold it).
+
+    layer = Q8ActivationLinear(blocks, qtype, in_features, out_features, bias)   # a QuantLinear
+    y = layer(x)                                         # x [..., K] float32 -> [..., N], kernel only
+    y_ref = reference(x, blocks, qtype, k)               # numpy, the same bits (tests)
+
+It runs only where its kernel does (x86-64 with AVX2 + F16C; AVX-512 BW, and VNNI, builds where the CPU has
+them): dequantised weights cannot reproduce it, so on a GPU, without the kernel or on a non-GGUF model the
+mode is refused (unavailable_reason), never approximated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import logging
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from rsd_runtime import NUMERICS, quant, small_gemm
+
+log = logging.getLogger(__name__)
+
+Q8_K_TYPES = (12, 14)  # Q4_K, Q6_K: activations in Q8_K blocks of 256; Q8_0 and Q5_0 take Q8_0 blocks of 32
+
+_BUILDS = {  # preferred first: name -> (cflags, CPU flags); no -mfma: nothing may fuse
+    "avx512vnni": (
+        ("-DQ8_AVX512", "-DQ8_VNNI", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mf16c"),
+        ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx2", "f16c"),
+    ),
+    "avx512": (("-DQ8_AVX512", "-mavx512f", "-mavx512bw", "-mavx2", "-mf16c"), ("avx512f", "avx512bw", "avx2", "f16c")),
+    "avx2": (("-mavx2", "-mf16c"), ("avx2", "f16c")),
+}
+
+
+def runs_here(build: str) -> bool:
+    return all(f in small_gemm._cpu_flags() for f in _BUILDS[build][1])
+
+
+def build(name: str) -> ctypes.CDLL:
+    """csrc/quant_gemm_q8.c built as `name` (a key of _BUILDS) and loaded (errors as small_gemm.compile_library)."""
+    lib = small_gemm.compile_library(small_gemm.CSRC / "quant_gemm_q8.c", (*_BUILDS[name][0], "-ffp-contract=off"))
+    lib.q8_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5
+    lib.q8_quantize.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2
+    return lib
+
+
+@functools.cache
+def _library() -> tuple[ctypes.CDLL | None, str]:
+    """The kernel this process runs and its name, or (None, why none); chosen as quant's."""
+    return quant.first_build(_BUILDS, build, "int8-activation kernel")
+
+
+def kernel_name() -> str | None:
+    """The int8-activation kernel this machine runs ("avx512vnni", "avx512", "avx2"), or None."""
+    return _library()[0] and _library()[1]
+
+
+def unavailable_reason(device: str = "cpu", dtype: torch.dtype = torch.float32, gguf: bool = True) -> str:
+    """Why numeric "q8_activations" cannot serve a model here ("" where it can): it needs a GGUF model, float32
+    on the CPU, and this kernel (dequantised weights cannot reproduce int8 activations)."""
+    if not gguf:
+        return "numeric 'q8_activations' computes from a GGUF file's blocks; this model is not a GGUF file"
+    if torch.device(device).type != "cpu" or dtype != torch.float32:
+        return (
+            f"numeric 'q8_activations' runs on the CPU in float32 only, not {device} {dtype}: dequantised "
+            "weights cannot reproduce its int8 activations"
+        )
+    if _library()[0] is None:
+        return f"numeric 'q8_activations' needs its x86-64 AVX2 kernel: {_library()[1]}"
+    return ""
+
+
+def check_numeric(numeric: str) -> str:
+    """`numeric` as NUMERICS spells it ("q8-activations" is taken too); ValueError for anything else."""
+    if numeric.replace("-", "_") not in NUMERICS:
+        raise ValueError(f"numeric must be one of {NUMERICS}, got {numeric!r}")
+    return numeric.replace("-", "_")
+
+
+class Q8ActivationLinear(quant.QuantLinear):
+    """QuantLinear computed with int8 activations (module docstring): the same blocks, another function.
+    While `exact` is set (exact_layers) it computes as QuantLinear does."""
+
+    numeric = "q8_activations"
+    exact = False
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", int8 activations"
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.exact:
+            return super().forward(x)
+        lib = _library()[0]
+        if lib is None or x.device.type != "cpu":
+            raise RuntimeError(unavailable_reason(str(x.device)) or "no int8-activation kernel")
+        if x.dtype != torch.float32:
+            raise TypeError(f"Q8ActivationLinear computes from float32 input, got {x.dtype}")
+        rows = x.reshape(-1, self.in_features).contiguous()
+        y = torch.empty(rows.shape[0], self.out_features)
+        threads = small_gemm._threads(None, self.out_features)
+        for r0 in range(0, rows.shape[0], quant.MAX_ROWS):
+            part, out = rows[r0 : r0 + quant.MAX_ROWS], y[r0 : r0 + quant.MAX_ROWS]
+            n, k = part.shape
+            if lib.q8_gemm(part.data_ptr(), self.blocks.data_ptr(), out.data_ptr(), n, k, self.out_features,
+                           self.qtype, threads):  # fmt: skip
+                raise MemoryError("q8_gemm: no memory for the quantised input rows")
+        if self.bias is not None:
+            y += self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+@contextlib.contextmanager
+def exact_layers(model: torch.nn.Module):
+    """Within: the model's int8-activation layers compute in the exact mode. For the load-time tree probe
+    (attention.probe_tree_forward), which checks positions and masks against the model's own causal forward:
+    that forward's attention rounds differently from the tree's, and int8 activations turn such last-bit
+    differences into whole quantisation steps, which says nothing about positions. The served path is held
+    to bit-for-bit row equality instead (tests/rsd_runtime/test_quant_q8.py)."""
+    layers = [m for m in model.modules() if isinstance(m, Q8ActivationLinear)]
+    for m in layers:
+        m.exact = True
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.exact = False
+
+
+def quantize_rows(x: Tensor, qtype: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The kernel's own quantisation of x [R, K] for a weight of `qtype`: codes int8 [R, K], scales float32
+    [R, K / block], sums int16 [R, K / 16 (Q8_K) or K / 32 (Q8_0)] (tests hold it to quantize_reference)."""
+    lib = _library()[0]
+    if lib is None:
+        raise RuntimeError(unavailable_reason())
+    x = x.contiguous()
+    r, k = x.shape
+    block = 256 if qtype in Q8_K_TYPES else 32
+    qs, d = torch.empty(r, k, dtype=torch.int8), torch.empty(r, k // block)
+    sums = torch.empty(r, k // 16 if block == 256 else k // 32, dtype=torch.int16)
+    for i in range(r):
+        if lib.q8_quantize(x[i].data_ptr(), qs[i].data_ptr(), d[i].data_ptr(), sums[i].data_ptr(), k, qtype):
+            raise ValueError(f"the kernel does not take type {qtype} with K = {k}")
+    return qs, d, sums
+
+
+# ---- the reference: the same function in numpy, step by step as ggml's reference code and the kernel's header
+
+F32 = np.float32
+
+
+def quantize_reference(x: np.ndarray, qtype: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x float32 [R, K] -> (codes int8 [R, K], scales float32 [R, nb], sums int16) as quantize_rows."""
+    r, k = x.shape
+    if qtype in Q8_K_TYPES:  # quantize_row_q8_K_ref
+        xb = x.reshape(r, k // 256, 256)
+        first = np.abs(xb).argmax(axis=-1)[..., None]  # the first value of largest magnitude
+        mx = np.take_along_axis(xb, first, axis=-1)
+        zero = mx == 0
+        with np.errstate(divide="ignore"):
+            iscale = np.where(zero, F32(1), F32(-127) / np.where(zero, F32(1), mx)).astype(F32)
+        q = np.minimum(np.rint(iscale * xb), 127).astype(np.int8)  # nearest_int: half to even
+        q[np.broadcast_to(zero, q.shape)] = 0
+        d = np.where(zero, F32(0), F32(1) / iscale)[..., 0].astype(F32)
+        sums = q.reshape(r, k // 16, 16).astype(np.int32).sum(-1).astype(np.int16)
+        return q.reshape(r, k), d, sums
+    xb = x.reshape(r, k // 32, 32)  # quantize_row_q8_0_ref
+    amax = np.abs(xb).max(axis=-1, keepdims=True)
+    d = (amax / F32(127)).astype(F32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d != 0, F32(1) / np.where(d != 0, d, F32(1)), F32(0)).astype(F32)
+    v = (xb * inv).astype(F32)
+    t = np.trunc(v)
+    q = (t + np.where(np.abs(v - t) >= F32(0.5), np.sign(v), F32(0))).astype(np.int8)  # roundf: half away from 0
+    sums = q.astype(np.int32).sum(-1).astype(np.int16)
+    return q.reshape(r, k), d[..., 0].astype(np.float16).astype(F32), sums
+
+
+def weight_codes(blocks: np.ndarray, qtype: int, k: int) -> dict[str, np.ndarray]:
+    """The integer codes and scales of weight blocks uint8 [N, row_bytes] (ggml-common.h's layouts):
+    q int [N, K] (signed value codes: Q4_K 0..15, Q6_K q - 32, Q5_0 q - 16, Q8_0 q), d float32 [N, nb], and
+    sc int [N, K] (each element's sub-block scale), m int [N, K] and dmin float32 [N, nb] for Q4_K."""
+    n = blocks.shape[0]
+    _, be, bb = quant.KERNEL_TYPES[qtype]
+    b = blocks.reshape(n, k // be, bb)
+    half = lambda lo: b[..., lo : lo + 2].copy().view(np.float16)[..., 0].astype(F32)  # noqa: E731
+    if qtype == 8:  # Q8_0
+        return {"q": b[..., 2:].view(np.int8).astype(np.int32).reshape(n, k), "d": half(0)}
+    if qtype == 6:  # Q5_0
+        qh = b[..., 2:6].copy().view("<u4")[..., 0].astype(np.int64)
+        qs = b[..., 6:22].astype(np.int32)
+        nib = np.concatenate([qs & 15, qs >> 4], axis=-1)
+        high = (qh[..., None] >> np.arange(32)) & 1
+        return {"q": (nib | (high << 4)).astype(np.int32).reshape(n, k) - 16, "d": half(0)}
+    if qtype == 12:  # Q4_K
+        s = b[..., 4:16].astype(np.int32)
+        sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
+        m = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
+        qs = b[..., 16:144].astype(np.int32).reshape(n, k // 256, 4, 32)
+        q = np.stack([qs & 15, qs >> 4], axis=3).reshape(n, k)  # element 64 c + 32 h + l
+        return {"q": q, "d": half(0), "dmin": half(2), "sc": np.repeat(sc, 32, -1).reshape(n, k),
+                "m": np.repeat(m, 32, -1).reshape(n, k)}  # fmt: skip
+    ql, qh = b[..., 0:128].astype(np.int32), b[..., 128:192].astype(np.int32)  # Q6_K
+    q = np.empty((n, k // 256, 2, 4, 32), np.int32)  # element 128 h + 32 g + l
+    for h in range(2):
+        for g in range(4):
+            low = ql[..., 64 * h + 32 * (g % 2) : 64 * h + 32 * (g % 2) + 32] >> (4 * (g // 2)) & 15
+            q[:, :, h, g] = low | (((qh[..., 32 * h : 32 * h + 32] >> (2 * g)) & 3) << 4)
+    sc = b[..., 192:208].view(np.int8).astype(np.int32)
+    return {"q": q.reshape(n, k) - 32, "d": half(208), "sc": np.repeat(sc, 16, -1).reshape(n, k)}
+
+
+def reference(x: Tensor, blocks: Tensor, qtype: int, k: int) -> Tensor:
+    """y [R, N] = x [R, K] @ W^T in int8 activations, step by step (module docstring; the kernel's bits)."""
+    xq, xd, _ = quantize_reference(x.numpy().astype(F32), qtype)
+    w = weight_codes(blocks.numpy(), qtype, k)
+    be = 256 if qtype in Q8_K_TYPES else 32
+    r, n, nb = x.shape[0], blocks.shape[0], k // be
+    a = xq.astype(np.int64).reshape(r, nb, be)
+    prod = w["q"] * w["sc"] if "sc" in w else w["q"]
+    s = np.einsum("rbe,nbe->rnb", a, prod.astype(np.int64).reshape(n, nb, be))  # exact integer sums
+    if qtype == 12:
+        mins = np.einsum("rbe,nbe->rnb", a, w["m"].astype(np.int64).reshape(n, nb, be))
+    acc = np.zeros((r, n), F32)
+    for j in range(nb):  # blocks in k order, each step rounded to float32 as the kernel does
+        da = xd[:, j][:, None]
+        acc = (acc + (w["d"][None, :, j] * da) * s[:, :, j].astype(np.int32).astype(F32)).astype(F32)
+        if qtype == 12:
+            acc = (acc - (w["dmin"][None, :, j] * da) * mins[:, :, j].astype(np.int32).astype(F32)).astype(F32)
+    return torch.from_numpy(acc)
