@@ -10,8 +10,11 @@ if ! command -v redis-server >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-
 fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
+# Tests run in process on one torch thread (tests/conftest.py), so one pytest process leaves cores idle:
+# xdist spreads whole files over one worker a core (at most 4; RSD_TEST_WORKERS overrides, 0 = none).
+workers=${RSD_TEST_WORKERS:-$(n=$(nproc); echo $((n < 4 ? n : 4)))}
 set +e
-.venv/bin/python -m pytest -m "not ray" "$@"
+.venv/bin/python -m pytest -m "not ray" -n "$workers" --dist loadfile "$@"
 rc=$?
 set -e
 if [ "$rc" = 5 ]; then

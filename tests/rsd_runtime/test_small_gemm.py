@@ -303,6 +303,7 @@ AVX2_CHOICE_TESTS = [
 
 
 @pytest.mark.skipif(os.environ.get("RSD_SMALL_GEMM") == "avx2", reason="this is the run under the AVX2 choice")
+@pytest.mark.skipif("avx512f" not in sg._cpu_flags(), reason="no AVX-512 here: this whole run is the AVX2 choice")
 def test_kernel_choice_tests_pass_under_the_avx2_choice(tmp_path):
     """RSD_SMALL_GEMM=avx2 makes this CPU choose its kernels as an AVX2-only one does (and torch's own
     dispatch is held to AVX2): the tests whose assertions follow the kernel choice pass under it, here."""
