@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
         "against --dtype's run)",
     )
     ap.add_argument("--draft-quantize", default="int8", choices=("none", "int8", "auto"))
+    numerics = ("exact", "q8_activations")  # rsd_runtime.NUMERICS: a GGUF model's numeric mode
+    ap.add_argument("--numeric", default="exact", choices=numerics, help="the target's (verifier and target alone)")
+    ap.add_argument("--draft-numeric", default="exact", choices=numerics, help="the drafter's")
     ap.add_argument("--drafter-args", default="", help="more drafter flags, e.g. '--predraft-outcomes 2'")
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples of the steps")
@@ -97,7 +100,7 @@ def ar_worker(job: dict) -> None:
     from rsd_runtime.models import batch_variance, load_model
     from rsd_runtime.runner import ModelRunner
 
-    model = load_model(job["target"], "cpu", job["dtype"])
+    model = load_model(job["target"], "cpu", job["dtype"], numeric=job["numeric"])
     print(json.dumps({"batch_variance": batch_variance(model)}), flush=True)  # the verifier loads it alike
     gen = SpeculativeGenerator(ModelRunner(model, job["max_len"]))
     eos = tuple(job["eos"])
@@ -117,6 +120,7 @@ def run_ar(target: Path, cores: str, prompts: list[list[int]], eos: list[int], a
         "cores": cores,
         "threads": threads,
         "dtype": dtype,
+        "numeric": args.numeric,
         "max_len": args.max_len,
         "prompts": prompts,
         "eos": eos,
@@ -158,11 +162,12 @@ def start_services(draft: Path, target: Path, args, predraft: bool, run_dir: Pat
     v_port, d_port, g_port = free_port(), free_port(), free_port()
     common = ["--max-len", str(args.max_len), "--drain-s", "1"]
     verifier = verifier_command(
-        v_port, target, "verifier-0", "--dtype", args.dtype, "--num-slots", "2", *common,
+        v_port, target, "verifier-0", "--dtype", args.dtype, "--numeric", args.numeric, "--num-slots", "2", *common,
         "--threads", str(args.verifier_threads), cores=args.verifier_cores,
     )  # fmt: skip
     drafter = drafter_command(
-        d_port, draft, "drafter-0", "--quantize", args.draft_quantize, "--predraft", "true" if predraft else "false",
+        d_port, draft, "drafter-0", "--quantize", args.draft_quantize, "--numeric", args.draft_numeric,
+        "--predraft", "true" if predraft else "false",
         "--predraft-width", str(width), "--max-sessions", "2", *common, "--threads", str(args.drafter_threads),
         *shlex.split(args.drafter_args), cores=args.drafter_cores,
     )  # fmt: skip
@@ -307,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         "target": str(target),
         "dtype": args.dtype,
         "draft_quantize": args.draft_quantize,
+        "numeric": args.numeric,
+        "draft_numeric": args.draft_numeric,
         "drafter_args": args.drafter_args,
         "small_gemm": os.environ.get("RSD_SMALL_GEMM", "1") != "0",  # the small-row kernels (RSD_SMALL_GEMM=0: off)
         "lean_draft_forward": os.environ.get("RSD_LEAN_FORWARD", "1") != "0",  # rsd_runtime.lean (=0: off)
@@ -353,12 +360,19 @@ def _short(args) -> argparse.Namespace:
     return argparse.Namespace(**{**vars(args), "max_new_tokens": min(8, args.max_new_tokens)})
 
 
+def numeric_label(numeric: str | None) -> str:
+    """A GGUF model's numeric mode as the markdown names it: nothing for the exact default."""
+    return "" if numeric in (None, "exact") else f", numeric {numeric}"
+
+
 def markdown(result: dict) -> str:
     m, p = result["machine"], result["placement"]
     lines = [
-        f"# The pipeline through the services vs the target alone ({Path(result['target']).name}, {result['dtype']})",
+        f"# The pipeline through the services vs the target alone ({Path(result['target']).name}, {result['dtype']}"
+        f"{numeric_label(result.get('numeric'))})",
         "",
         f"Drafter on cores {p['drafter_cores']} ({Path(result['draft']).name}, quantize {result['draft_quantize']}"
+        f"{numeric_label(result.get('draft_numeric'))}"
         f"{(', ' + result['drafter_args']) if result.get('drafter_args') else ''}), "
         f"verifier on cores {p['verifier_cores']}, {p.get('drafter_threads', 1)} / {p.get('verifier_threads', 1)} "
         "thread(s) (drafter / verifier), gateway on cores "

@@ -253,13 +253,15 @@ def _same_text(run: LlamaRun, target: LlamaRun) -> bool:
 def rsd_rows(result: dict) -> list[dict]:
     """rsd's rows from a disaggregated result: its target alone on the whole machine (the cores llama.cpp
     runs on), then each pipeline row (matches_ar: the same tokens as that target alone at T = 0)."""
+    from rsd_bench.disaggregated import numeric_label
+
     whole = result["ar"]["whole_machine"]
     temps = [float(t) for t in whole if t not in ("cores", "dtype", "tokens_per_s_by_dtype")]
     rows = [
         {
             "system": "rsd",
             "method": "target alone",
-            "shape": f"{whole['dtype']}, cores {whole['cores']}",
+            "shape": f"{whole['dtype']}{numeric_label(result.get('numeric'))}, cores {whole['cores']}",
             "temperature": t,
             "tokens": whole[str(t)]["tokens"],
             "tokens_per_s": whole[str(t)]["tokens_per_s"],

@@ -119,6 +119,13 @@ def test_rsd_rows_and_ratios_to_both_targets_alone():
     assert (spec["vs_llamacpp_target"], spec["vs_own_target"]) == (1.5, 1.5)
 
 
+def test_the_target_numeric_mode_names_rsds_target_alone():
+    """--rsd-args '--numeric q8_activations': the row says the target ran in that mode (exact: nothing added)."""
+    exact = llamacpp.rsd_rows(_disaggregated_result())[0]["shape"]
+    q8 = llamacpp.rsd_rows({**_disaggregated_result(), "numeric": "q8_activations"})[0]["shape"]
+    assert "numeric" not in exact and q8.startswith(exact.split(",")[0] + ", numeric q8_activations, cores")
+
+
 def _result(rows, rsd=True):
     machine = {"cpu_model": "AMD EPYC", "cpu_flags": ["avx2", "fma", "avx512f"], "loadavg_start": [1.0]}
     build = {"source": "llama-cpp-python==0.3.36", "cmake_flags": ["-DGGML_NATIVE=ON"], "compiler": "gcc"}
