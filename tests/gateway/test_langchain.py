@@ -104,3 +104,14 @@ def test_n_choices(served):
     want = official(served, n=2, temperature=1.0, seed=9).choices
     assert [g.text for g in result.generations[0]] == [c.message.content for c in want]
     assert result.llm_output["token_usage"]["completion_tokens"] > 0
+
+
+def test_speculation_per_request_in_extra_body(served):
+    """rsd's per-request fields ride in extra_body: another method with adaptive shapes gives the same text at
+    T = 0 (every method is exact); a method adaptive shapes cannot drive is a 400 naming adaptive_shape."""
+    want = official(served).choices[0].message.content
+    adaptive = {"method": "rsd_s", "shape": "2x3", "adaptive_shape": True}
+    assert chat_model(served, extra_body=adaptive).invoke(MESSAGES).content == want
+    with pytest.raises(openai.BadRequestError) as err:
+        chat_model(served, extra_body={**SPEC, "adaptive_shape": True}).invoke(MESSAGES)
+    assert err.value.body["param"] == "adaptive_shape"
