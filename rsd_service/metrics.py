@@ -102,41 +102,71 @@ class GatewayMetrics(ServiceMetrics):
             buckets=_COUNT_BUCKETS,
             registry=r,
         )
-        self.draft_tokens = Counter("rsd_gateway_draft_tokens", "drafted tree tokens", ["method"], registry=r)
-        self.accepted_tokens = Counter(
-            "rsd_gateway_accepted_tokens",
-            "accepted draft tokens (acceptance = accepted / draft)",
-            ["method"],
+        # Speculative decoding per method, verification and acceptance rule (vLLM's spec_decode_* counters; the
+        # sums of the per-response metrics.speculative_decoding, gateway.openai.schema.SpecDecodeMetrics):
+        # acceptance rate = accepted / draft tokens, mean acceptance length = 1 + accepted / drafts (steps).
+        spec = ["method", "verification", "rule"]
+        self.spec_drafts = Counter(
+            "rsd_gateway_spec_decode_num_drafts", "steps: draft trees verified (target calls)", spec, registry=r
+        )
+        self.spec_draft_tokens = Counter(
+            "rsd_gateway_spec_decode_num_draft_tokens", "drafted tree tokens (nodes after the root)", spec, registry=r
+        )
+        self.spec_accepted_tokens = Counter(
+            "rsd_gateway_spec_decode_num_accepted_tokens", "draft tokens the acceptance rule kept", spec, registry=r
+        )
+        self.spec_emitted_tokens = Counter(
+            "rsd_gateway_spec_decode_num_emitted_tokens",
+            "tokens the steps committed (accepted + a correction or bonus, fewer at the end of a turn)",
+            spec,
             registry=r,
         )
+        self.spec_accepted_per_pos = Counter(
+            "rsd_gateway_spec_decode_num_accepted_tokens_per_pos",
+            "steps that accepted a draft token at depth position + 1 (0-based position)",
+            [*spec, "position"],
+            registry=r,
+        )
+
+    def _observe_step(self, labels: tuple[str, str, str], num_tokens: int, stats: Any) -> None:
+        """One step's StepStats, under labels (method, verification, rule)."""
+        self.tokens_per_step.labels(labels[0]).observe(num_tokens)
+        self.spec_drafts.labels(*labels).inc()
+        self.spec_draft_tokens.labels(*labels).inc(stats.num_draft_tokens)
+        self.spec_accepted_tokens.labels(*labels).inc(stats.num_accepted_tokens)
+        self.spec_emitted_tokens.labels(*labels).inc(num_tokens)
+        for position in range(stats.num_accepted_tokens):
+            self.spec_accepted_per_pos.labels(*labels, str(position)).inc()
 
     def observer(self, method: str) -> Callable[[Any], None] | None:
         if not method.endswith("/Generate"):
             return None
         t0 = time.perf_counter()
-        state = {"method": "", "last": 0.0}
+        state = {"method": "", "verification": "", "last": 0.0}
         self.streams.inc()
 
         def observe(event: Any) -> None:
             kind = event.WhichOneof("event")
             if kind == "started":
                 state["method"] = event.started.params.method.name or "?"
+                state["verification"] = event.started.params.verification or "token"
             elif kind == "finished":
                 self.streams.dec()
                 state["last"] = -1.0  # closed: do not decrement twice
-            elif kind == "delta" and event.delta.token_ids:
+            elif kind == "delta":
                 name, now, n = state["method"] or "?", time.perf_counter(), len(event.delta.token_ids)
+                if event.delta.HasField("stats"):  # as the per-response object counts: every step
+                    stats = event.delta.stats
+                    labels = (name, state["verification"] or "token", stats.verifier.rule or "?")
+                    self._observe_step(labels, n, stats)
+                if not n:
+                    return
                 self.tokens.labels(name).inc(n)
                 if not state["last"]:
                     self.ttft.labels(name).observe(now - t0)
                 elif state["last"] > 0:
                     self.token_latency.labels(name).observe((now - state["last"]) / n)
                 state["last"] = now
-                if event.delta.HasField("stats"):
-                    stats = event.delta.stats
-                    self.tokens_per_step.labels(name).observe(n)
-                    self.draft_tokens.labels(name).inc(stats.num_draft_tokens)
-                    self.accepted_tokens.labels(name).inc(stats.num_accepted_tokens)
 
         def end() -> None:
             if state["last"] >= 0:

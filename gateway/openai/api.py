@@ -130,6 +130,7 @@ _PUBLIC = {
     "params.method": "method",
     "params.stop_sequences": "stop",
     "params.verification": "verification",
+    "params.adaptive_shape": "adaptive_shape",
     "session_id": "session_id",
 }
 

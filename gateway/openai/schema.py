@@ -14,7 +14,8 @@ its events by `Reply`. What is supported of OpenAI's API:
               structured_outputs (vLLM's extra field: regex, json, choice), one of the two (rsd.constraint)
     rsd's own (extra body fields): method, shape, top_k, repetition_penalty (> 0, 1 = off; vLLM's), session_id
     (continue that session: its committed tokens, then this request's prompt or messages), verification ("token",
-    "traversal", "block": the exact rule that verifies the trees, rsd.methods)
+    "traversal", "block": the exact rule that verifies the trees, rsd.methods), adaptive_shape (true: the drafter
+    picks each step's shape up to `shape`, rsd.shape_control; sd, spectr and rsd_s only)
     /tokenize, /detokenize  vLLM's bodies (TokenizeCompletionRequest / TokenizeChatRequest, DetokenizeRequest)
 A null is the field's default, as OpenAI and vLLM read it. Anything else is refused (400), never silently ignored:
 a field that changes sampling must not be dropped.
@@ -139,6 +140,7 @@ class _GenerateBody(_Body):
     top_k: int | None = Field(None, ge=0)
     session_id: str | None = None
     verification: str | None = None  # "token", "traversal" or "block"; the gateway checks it (params.verification)
+    adaptive_shape: bool = False  # the drafter picks each step's shape up to `shape` (rsd.shape_control)
     logit_bias: dict[str, float] | None = None  # OpenAI's
     response_format: ResponseFormat | None = None  # OpenAI's
     structured_outputs: StructuredOutputs | None = None  # vLLM's
@@ -235,6 +237,7 @@ class _GenerateBody(_Body):
             bias,
             self.num_top_logprobs,
             verification=self.verification,
+            adaptive_shape=self.adaptive_shape,
             penalties=(self.presence_penalty, self.frequency_penalty, self.repetition_penalty),
         )
         if params is not None:

@@ -117,11 +117,14 @@ def test_every_service_exports_its_metrics(cluster):
         assert total(g, "rsd_gateway_token_latency_seconds_count", method="rsd_s") == len(gen.steps) - 1
         assert total(g, "rsd_gateway_tokens_per_step_count", method="rsd_s") == steps
         assert total(g, "rsd_gateway_tokens_per_step_sum", method="rsd_s") == 16
-        drafted = total(g, "rsd_gateway_draft_tokens_total", method="rsd_s")
+        spec = {"method": "rsd_s", "verification": "token", "rule": "greedy"}  # T = 0
+        assert total(g, "rsd_gateway_spec_decode_num_drafts_total", **spec) == steps
+        drafted = total(g, "rsd_gateway_spec_decode_num_draft_tokens_total", **spec)
         assert drafted == sum(s.num_draft_tokens for s in gen.steps) > 0
-        assert total(g, "rsd_gateway_accepted_tokens_total", method="rsd_s") == sum(
-            s.num_accepted_tokens for s in gen.steps
-        )
+        accepted = sum(s.num_accepted_tokens for s in gen.steps)
+        assert total(g, "rsd_gateway_spec_decode_num_accepted_tokens_total", **spec) == accepted
+        assert total(g, "rsd_gateway_spec_decode_num_accepted_tokens_per_pos_total", **spec) == accepted
+        assert total(g, "rsd_gateway_spec_decode_num_emitted_tokens_total", **spec) == 16
         assert total(g, "rsd_gateway_running_turns") == 0 and total(g, "rsd_gateway_open_streams") == 0
 
         v = scrape(ports["verifier"])

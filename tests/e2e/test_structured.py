@@ -12,23 +12,14 @@ import grpc
 import openai
 import pytest
 
-from drafter_service.config import DrafterConfig
-from drafter_service.server import create_server as create_drafter
-from gateway.config import GatewayConfig
-from gateway.server import create_server as create_gateway
-from gateway.store.memory_store import MemorySessionStore
 from rsd.constraint import Constraint
 from rsd.sampling import SamplingParams
 from rsd_runtime.constraint import AutomatonCache
 from rsd_runtime.generator import SpeculativeGenerator
-from rsd_runtime.models import load_model
 from rsd_runtime.runner import ModelRunner
-from rsd_runtime.tokenizer import load_tokenizer
 from rsd_wire import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.fixtures.byte_pair import build_byte_pair
-from tests.fixtures.stack import LoopThread
-from verifier_service.config import VerifierConfig
-from verifier_service.server import create_server as create_verifier
+from tests.fixtures.stack import serve_pair
 
 SCHEMA = {
     "type": "object",
@@ -41,35 +32,10 @@ EXTRA = {"method": "rsd_c", "shape": "2,2,1"}
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    """(openai client, tokenizer, target model) over a gateway, a drafter and a verifier on loopback."""
-    draft_dir, target_dir = build_byte_pair(tmp_path_factory.mktemp("bytes"))
-    tokenizer, target = load_tokenizer(target_dir), load_model(target_dir)
-    loop, closers = LoopThread(), []
-
-    async def start():
-        vserver, vport, vhandle = await create_verifier(
-            VerifierConfig(verifier_id="v0", tokenizer=str(target_dir)), target
-        )
-        dconfig = DrafterConfig(drafter_id="d0", tokenizer=str(draft_dir))
-        dserver, dport, dhandle = await create_drafter(dconfig, load_model(draft_dir))
-        closers.extend([(dhandle, dserver), (vhandle, vserver)])
-        config = GatewayConfig(
-            port=0,
-            http_port=0,
-            served_model_name="tiny",
-            drafters=f"d0=127.0.0.1:{dport}",
-            verifiers=f"v0=127.0.0.1:{vport}",
-        )
-        server, port, handle = await create_gateway(config, store=MemorySessionStore(), tokenizer=tokenizer)
-        closers.insert(0, (handle, server))
-        return handle.http.base_url, f"127.0.0.1:{port}"
-
-    base_url, address = loop.run(start(), timeout_s=120)
-    client = openai.OpenAI(base_url=base_url, api_key="-", max_retries=0, timeout=120)
-    yield client, tokenizer, target, address
-    for handle, server in closers:
-        loop.run(handle.close(server, 0))
-    loop.close()
+    """(openai client, tokenizer, target model, gRPC address) over a gateway, a drafter and a verifier on loopback."""
+    with serve_pair(*build_byte_pair(tmp_path_factory.mktemp("bytes"))) as served:
+        client = openai.OpenAI(base_url=served.base_url, api_key="-", max_retries=0, timeout=120)
+        yield client, served.tokenizer, served.target, served.address
 
 
 def chat(client, **kwargs):

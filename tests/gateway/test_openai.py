@@ -23,6 +23,7 @@ import openai
 import pytest
 import torch
 from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.chat import ChatTemplate
 from gateway.config import GatewayConfig
@@ -779,6 +780,52 @@ def test_speculative_metrics_in_the_reply_and_the_last_chunk(gw, include_usage):
     assert spec["num_spec_tokens"] == 4 and len(spec["acceptance_histogram"]) == 5 and spec["num_spec_steps"] >= 1
 
 
+def _spec_counters(text: str, **labels: str) -> dict[str, float]:
+    """The rsd_gateway_spec_decode_* counters of a /metrics page whose labels include `labels`, by short name
+    ("num_drafts", ...; "num_accepted_tokens_per_pos[j]" for position j)."""
+    counters: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            spec = s.name.startswith("rsd_gateway_spec_decode_") and s.name.endswith("_total")
+            if spec and set(labels.items()) <= set(s.labels.items()):
+                name = s.name.removeprefix("rsd_gateway_spec_decode_").removesuffix("_total")
+                name += f"[{s.labels['position']}]" if "position" in s.labels else ""
+                counters[name] = counters.get(name, 0.0) + s.value
+    return counters
+
+
+@pytest.mark.parametrize(
+    ("extra", "rule"),
+    [(RSD_C, None), ({"method": "sd", "shape": "3", "verification": "block"}, "block")],
+    ids=["rsd_c", "sd-block"],
+)
+def test_prometheus_spec_decode_counters_per_method_add_up_to_the_replies(gw, extra, rule):
+    """/metrics' rsd_gateway_spec_decode_* counters, labelled by method, verification and acceptance rule, grow by
+    the figures of the reply's metrics.speculative_decoding (vLLM's spec_decode_num_drafts, num_draft_tokens,
+    num_accepted_tokens, num_accepted_tokens_per_pos) and the tokens the steps emitted."""
+    metrics = f"{gw.base_url[:-3]}/metrics"
+    before = httpx.get(metrics, headers=_auth(), timeout=60).text
+    out = gw.openai().completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0.8, seed=5, extra_body=extra
+    )
+    spec = out.model_extra["metrics"]["speculative_decoding"]
+    assert spec["num_spec_steps"] > 0 and spec["num_draft_tokens"] > 0 and rule in (None, spec["acceptance_rule"])
+    labels = {"method": extra["method"], "verification": spec["verification"], "rule": spec["acceptance_rule"]}
+    after = _spec_counters(httpx.get(metrics, headers=_auth(), timeout=60).text, **labels)
+    old = _spec_counters(before, **labels)
+    grown = {name: value - old.get(name, 0.0) for name, value in after.items()}
+    histogram = spec["acceptance_histogram"]  # position j: the steps that accepted more than j draft tokens
+    want = {
+        "num_drafts": spec["num_spec_steps"],
+        "num_draft_tokens": spec["num_draft_tokens"],
+        "num_accepted_tokens": spec["num_accepted_draft_tokens"],
+        "num_emitted_tokens": out.usage.completion_tokens,
+        **{f"num_accepted_tokens_per_pos[{j}]": sum(histogram[j + 1 :]) for j in range(len(histogram) - 1)},
+    }
+    assert {k: v for k, v in grown.items() if v} == {k: v for k, v in want.items() if v}
+    assert spec["mean_acceptance_length"] == 1 + grown["num_accepted_tokens"] / grown["num_drafts"]
+
+
 # ---------------------------------------------------------------------------------------------
 # logprobs and logit_bias
 
@@ -980,3 +1027,29 @@ def test_n_chat_choices_with_logprobs(gw):
     assert len(out.choices[0].logprobs.content) == len(
         wait_until_done(gw, out.session_ids[0]).committed_token_ids
     ) - len(wait_until_done(gw, out.session_ids[0]).prompt_token_ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-request speculation: adaptive_shape (an extra body field, GenerationParams.adaptive_shape)
+
+
+def test_adaptive_shape_is_exact_at_temperature_zero_and_refused_by_name(gw):
+    """adaptive_shape: the drafter picks each step's shape up to `shape` (rsd.shape_control): at T = 0 the text
+    is the fixed shape's (the target's greedy output), the steps' trees vary in size; a method whose trees are
+    not (W, L) is a 400 naming adaptive_shape."""
+    client = gw.openai()
+    kwargs = {"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "temperature": 0.0}
+    fixed = client.completions.create(**kwargs, extra_body={"method": "rsd_s", "shape": "3x3"})
+    adaptive = client.completions.create(
+        **kwargs, extra_body={"method": "rsd_s", "shape": "3x3", "adaptive_shape": True}
+    )
+    assert adaptive.choices[0].text == fixed.choices[0].text
+    assert adaptive.model_extra["metrics"]["speculative_decoding"]["num_spec_tokens"] == 3  # the deepest allowed
+    with gw.grpc() as grpc_client:  # the same turn over gRPC shows each step's tree
+        ref = grpc_client.generate(
+            PROMPT, method="rsd_s", shape="3x3", temperature=0.0, max_new_tokens=24, adaptive_shape=True
+        ).wait()
+    assert ref.text == adaptive.choices[0].text and len({s.num_draft_tokens for s in ref.steps}) > 1
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(**kwargs, extra_body={**RSD_C, "adaptive_shape": True})
+    assert err.value.body["param"] == "adaptive_shape" and err.value.body["message"].startswith("adaptive_shape: ")
