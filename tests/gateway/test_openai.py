@@ -468,6 +468,10 @@ def test_https_with_client_certificates(start_gateway, tmp_path_factory):
 
 
 def test_http_calls_share_the_gateway_metrics(gw):
+    """HTTP requests count in the gateway's own registry: by route and status, their tokens by method."""
+    gw.openai().completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"method": "rsd_c"})
+    anonymous = httpx.post(f"{gw.base_url}/completions", json={"model": MODEL, "prompt": PROMPT}, timeout=60)
+    assert anonymous.status_code == 401
     text = generate_latest(gw.handle.metrics.registry).decode()
     assert 'rsd_gateway_requests_total{code="OK",method="/v1/completions"}' in text
     assert 'rsd_gateway_requests_total{code="UNAUTHENTICATED",method="/v1/completions"}' in text
