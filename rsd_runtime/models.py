@@ -201,7 +201,7 @@ class PrunedLMHead(torch.nn.Module):
         if isinstance(lm_head, quant.QuantLinear):  # a GGUF head: its first `keep` rows of blocks
             bias = None if lm_head.bias is None else lm_head.bias[:keep]
             self.kept = type(lm_head)(
-                lm_head.blocks[:keep].clone(), lm_head.qtype, hidden, keep, bias
+                lm_head.file_blocks()[:keep].clone(), lm_head.qtype, hidden, keep, bias
             )  # its numeric too
             return
         self.kept = torch.nn.Linear(hidden, keep, bias=lm_head.bias is not None)  # use_small_batch_linear may swap it
@@ -341,7 +341,7 @@ def int8_speedup(model: torch.nn.Module, rows: tuple[int, ...] = (1, 4), reps: i
         used = min(n_out, 8192)
         layer = first[(n_in, n_out)]
         if isinstance(layer, quant.QuantLinear):  # a GGUF drafter: its own blocks against int8
-            layer = type(layer)(layer.blocks[:used], layer.qtype, n_in, used)  # in its numeric mode
+            layer = type(layer)(layer.file_blocks()[:used], layer.qtype, n_in, used)  # in its numeric mode
         weight = layer.dequantized().weight if isinstance(layer, quant.QuantLinear) else layer.weight[:used]
         float_layer = torch.nn.Linear(n_in, used, bias=False, dtype=weight.dtype)
         float_layer.weight.copy_(weight)

@@ -169,21 +169,26 @@ class QuantLinear(torch.nn.Module):
         rows = x.reshape(-1, self.in_features).contiguous()
         y = torch.empty(rows.shape[0], self.out_features)
         threads = small_gemm._threads(None, self.out_features)
+        blocks = self.file_blocks()
         for r0 in range(0, rows.shape[0], MAX_ROWS):  # every row in a call of <= 64: its bits its own
             part, out = rows[r0 : r0 + MAX_ROWS], y[r0 : r0 + MAX_ROWS]
             n, k = part.shape
-            if lib.quant_gemm(part.data_ptr(), self.blocks.data_ptr(), out.data_ptr(), n, k, self.out_features,
+            if lib.quant_gemm(part.data_ptr(), blocks.data_ptr(), out.data_ptr(), n, k, self.out_features,
                               self.qtype, threads):  # fmt: skip
                 raise MemoryError(f"quant_gemm: no memory to rebuild {self.in_features}-wide weight rows")
         if self.bias is not None:
             y += self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    def file_blocks(self) -> Tensor:
+        """The weight as the file holds it: uint8 [out_features, row_bytes] (a subclass may keep another layout)."""
+        return self.blocks
+
     def dequantized(self) -> torch.nn.Linear:
         """The same layer as a plain float32 nn.Linear (dequantise-on-load: other devices, no kernel)."""
         linear = torch.nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
         linear.requires_grad_(False)
-        linear.weight.copy_(float_weight(self.blocks, self.qtype, self.in_features))
+        linear.weight.copy_(float_weight(self.file_blocks(), self.qtype, self.in_features))
         if self.bias is not None:
             linear.bias.copy_(self.bias)
         return linear

@@ -53,6 +53,7 @@ def build(name: str) -> ctypes.CDLL:
     lib = small_gemm.compile_library(small_gemm.CSRC / "quant_gemm_q8.c", (*_BUILDS[name][0], "-ffp-contract=off"))
     lib.q8_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5
     lib.q8_quantize.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2
+    lib.q8_gemm_x8.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5
     return lib
 
 
@@ -89,15 +90,87 @@ def check_numeric(numeric: str) -> str:
     return numeric.replace("-", "_")
 
 
+# ---- Q4_K and Q6_K weights repacked 8 rows at a time (csrc/quant_gemm_q8.c, "x8"): within each block, every
+# 4 consecutive code bytes of 8 weight rows side by side, the scales unpacked beside them. Only the layout
+# changes (q8_gemm_x8 computes the same bits); unpack_x8 gives the file's bytes back exactly.
+X8_BYTES = {12: 1184, 14: 1680}  # bytes a block of 8 rows: Q4_K (8 x 144, scales unpacked: + 32), Q6_K (8 x 210)
+
+
+def _q4_k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 12 scale bytes [..., 12] of Q4_K blocks -> sc, m uint8 [..., 8] (ggml's get_scale_min_k4)."""
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
+    m = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
+    return sc, m
+
+
+def _q4_k_scale_bytes(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """_q4_k_scales' inverse: sc, m [..., 8] (6 bits each) -> the 12 bytes."""
+    return np.concatenate([sc[..., :4] | ((sc[..., 4:] >> 4) << 6), m[..., :4] | ((m[..., 4:] >> 4) << 6),
+                           (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)], axis=-1).astype(np.uint8)  # fmt: skip
+
+
+def _across(v: np.ndarray, width: int) -> np.ndarray:
+    """[G, 8, nb, n * width] (each row's bytes) -> [G, nb, n, 8, width]: `width`-byte groups of 8 rows side by side."""
+    g, _, nb, n = v.shape
+    return v.reshape(g, 8, nb, n // width, width).transpose(0, 2, 3, 1, 4)
+
+
+def _back(v: np.ndarray, width: int) -> np.ndarray:
+    """_across' inverse: [G, nb, n * 8 * width] -> [G, 8, nb, n * width]."""
+    g, nb, n = v.shape
+    return v.reshape(g, nb, n // (8 * width), 8, width).transpose(0, 3, 1, 2, 4).reshape(g, 8, nb, -1)
+
+
+def repack_x8(blocks: np.ndarray, qtype: int, k: int) -> np.ndarray:
+    """File blocks uint8 [N, row_bytes] of a Q4_K or Q6_K weight (N a multiple of 8) -> the x8 layout, uint8
+    [N / 8 * K / 256 * X8_BYTES] (csrc/quant_gemm_q8.c says what lies where)."""
+    n, nb = blocks.shape[0], k // 256
+    b = blocks.reshape(n // 8, 8, nb, -1)
+    if qtype == 12:  # d[8], dmin[8], sc pairs [4][8][2], m pairs [4][8][2], qs [32][8][4]
+        sc, m = _q4_k_scales(b[..., 4:16])
+        parts = [_across(b[..., 0:4], 2), _across(sc, 2), _across(m, 2), _across(b[..., 16:144], 4)]
+    else:  # Q6_K: d[8], sc pairs [8][8][2], ql [32][8][4], qh [16][8][4]
+        parts = [_across(b[..., 208:210], 2), _across(b[..., 192:208], 2), _across(b[..., 0:128], 4),
+                 _across(b[..., 128:192], 4)]  # fmt: skip
+    return np.concatenate([p.reshape(n // 8, nb, -1) for p in parts], axis=-1).reshape(-1)
+
+
+def unpack_x8(packed: np.ndarray, qtype: int, k: int, n: int) -> np.ndarray:
+    """repack_x8's inverse: the file's blocks uint8 [N, row_bytes], byte for byte."""
+    x = packed.reshape(n // 8, k // 256, X8_BYTES[qtype])
+    if qtype == 12:
+        sc, m = _back(x[..., 32:96], 2), _back(x[..., 96:160], 2)
+        parts = [_back(x[..., 0:32], 2), _q4_k_scale_bytes(sc, m), _back(x[..., 160:], 4)]
+    else:
+        parts = [_back(x[..., 144:1168], 4), _back(x[..., 1168:], 4), _back(x[..., 16:144], 2), _back(x[..., 0:16], 2)]
+    return np.concatenate(parts, axis=-1).reshape(n, -1)
+
+
 class Q8ActivationLinear(quant.QuantLinear):
     """QuantLinear computed with int8 activations (module docstring): the same blocks, another function.
-    While `exact` is set (exact_layers) it computes as QuantLinear does."""
+    Q4_K and Q6_K weights with a multiple of 8 rows are kept repacked (buffer `blocks_x8`, no `blocks`:
+    file_blocks() rebuilds the file's bytes). While `exact` is set (exact_layers) it computes as QuantLinear does."""
 
     numeric = "q8_activations"
     exact = False
 
+    def __init__(self, blocks: Tensor, qtype: int, in_features: int, out_features: int, bias: Tensor | None = None):
+        super().__init__(blocks, qtype, in_features, out_features, bias)
+        self._file = None  # exact_layers' copy of the file's bytes
+        if qtype in X8_BYTES and out_features % 8 == 0:
+            packed = repack_x8(self.blocks.numpy(), qtype, in_features)
+            del self._buffers["blocks"]
+            self.register_buffer("blocks_x8", torch.from_numpy(packed))
+
     def extra_repr(self) -> str:
-        return super().extra_repr() + ", int8 activations"
+        return super().extra_repr() + ", int8 activations" + (", x8" if "blocks_x8" in self._buffers else "")
+
+    def file_blocks(self) -> Tensor:
+        if "blocks_x8" not in self._buffers:
+            return self.blocks
+        if self._file is not None:
+            return self._file
+        return torch.from_numpy(unpack_x8(self.blocks_x8.numpy(), self.qtype, self.in_features, self.out_features))
 
     def forward(self, x: Tensor) -> Tensor:
         if self.exact:
@@ -110,11 +183,12 @@ class Q8ActivationLinear(quant.QuantLinear):
         rows = x.reshape(-1, self.in_features).contiguous()
         y = torch.empty(rows.shape[0], self.out_features)
         threads = small_gemm._threads(None, self.out_features)
+        x8 = "blocks_x8" in self._buffers
+        gemm, blocks = (lib.q8_gemm_x8, self.blocks_x8) if x8 else (lib.q8_gemm, self.blocks)
         for r0 in range(0, rows.shape[0], quant.MAX_ROWS):
             part, out = rows[r0 : r0 + quant.MAX_ROWS], y[r0 : r0 + quant.MAX_ROWS]
             n, k = part.shape
-            if lib.q8_gemm(part.data_ptr(), self.blocks.data_ptr(), out.data_ptr(), n, k, self.out_features,
-                           self.qtype, threads):  # fmt: skip
+            if gemm(part.data_ptr(), blocks.data_ptr(), out.data_ptr(), n, k, self.out_features, self.qtype, threads):
                 raise MemoryError("q8_gemm: no memory for the quantised input rows")
         if self.bias is not None:
             y += self.bias
@@ -130,12 +204,13 @@ def exact_layers(model: torch.nn.Module):
     to bit-for-bit row equality instead (tests/rsd_runtime/test_quant_q8.py)."""
     layers = [m for m in model.modules() if isinstance(m, Q8ActivationLinear)]
     for m in layers:
-        m.exact = True
+        m.exact, m._file = True, None
+        m._file = m.file_blocks()  # unpacked once for the whole probe, dropped after
     try:
         yield
     finally:
         for m in layers:
-            m.exact = False
+            m.exact, m._file = False, None
 
 
 def quantize_rows(x: Tensor, qtype: int) -> tuple[Tensor, Tensor, Tensor]:

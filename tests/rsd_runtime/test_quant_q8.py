@@ -37,12 +37,15 @@ def inputs(rows: int, k: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("type_name", TYPES)
-def test_kernel_is_the_reference_bit_for_bit(build, type_name):
-    qtype, k, n = TYPES[type_name], k_for(type_name), 37  # columns past the kernel's blocks of 4
+@pytest.mark.parametrize("n", [37, 40])  # 37: columns past the blocks of 4; 40: Q4_K/Q6_K repacked 8 rows a block
+def test_kernel_is_the_reference_bit_for_bit(build, type_name, n):
+    qtype, k = TYPES[type_name], k_for(type_name)
     blocks = random_blocks(type_name, n, k, seed=4)
     bias = torch.randn(n)
     layer = quant_q8.Q8ActivationLinear(blocks, qtype, k, n, bias)
-    for rows in (1, 2, 3, 7, 64):  # 1: the K-quants decoded in registers
+    assert ("blocks_x8" in dict(layer.named_buffers())) == (n == 40 and qtype in quant_q8.X8_BYTES)
+    assert torch.equal(layer.file_blocks(), blocks)  # the repacked layout gives the file's bytes back
+    for rows in (1, 2, 3, 4, 5, 7, 64):  # 1: the K-quants decoded in registers; x8: rows 4 at a time
         x = inputs(rows, k, rows)
         codes = quant_q8.quantize_rows(x, qtype)
         for ours, ref in zip(codes, quant_q8.quantize_reference(x.numpy(), qtype), strict=True):
@@ -67,8 +70,9 @@ def test_the_reference_reads_the_weights_as_dequantize(type_name):
 
 
 @pytest.mark.parametrize("type_name", TYPES)
-def test_a_rows_bits_do_not_depend_on_its_batch(build, type_name):
-    k, n = k_for(type_name), 300
+@pytest.mark.parametrize("n", [300, 304])  # 304: repacked (Q4_K, Q6_K)
+def test_a_rows_bits_do_not_depend_on_its_batch(build, type_name, n):
+    k = k_for(type_name)
     layer = quant_q8.Q8ActivationLinear(random_blocks(type_name, n, k), TYPES[type_name], k, n)
     x = inputs(70, k, 1)
     alone = torch.cat([layer(x[i : i + 1]) for i in range(70)])
