@@ -11,7 +11,8 @@ positions [0, cached_len). One verify_batch call:
        cached_len_i, and attends with a block-diagonal float mask: a node of session i sees session i's
        cached prefix, its catch-up chain and its own tree ancestors only
     3. walks each tree with its own rule and draws (rsd.acceptance.verify), on the target's device, and reads
-       the emitted tokens' log-probabilities off the same logits when the request asks (rsd.logprobs)
+       the emitted tokens' log-probabilities off the same logits, or off the same laws (processed modes),
+       when the request asks (rsd.logprobs)
     4. moves the accepted nodes' K/V (inside the slot) right after the chain and root; the rest is
        overwritten later. No whole-cache copy ever happens.
 
@@ -31,10 +32,10 @@ from transformers import PreTrainedModel
 
 from rsd.acceptance import Rule, Verdict, verify
 from rsd.constraint import Guide, mask_logits
-from rsd.logprobs import TokenLogprobs, emitted_rows, token_logprobs
+from rsd.logprobs import RAW_LOGPROBS, TokenLogprobs, emitted_rows, law_scores, token_scores
 from rsd.penalties import TokenCounts, counts_at
 from rsd.random import StepRandom
-from rsd.sampling import SamplingParams, logits_to_probs
+from rsd.sampling import SamplingParams, biased_logits, law_of
 from rsd.tree import DraftTree, node_depths, tree_attention_mask, validate_tree
 from rsd_runtime.attention import check_model
 from rsd_runtime.kvcache import Segment, SlotKVCache, common_prefix_length
@@ -77,6 +78,8 @@ class VerifyRequest:
     # committed_ids[output_start:] is the turn's output, which the penalties count (rsd.penalties); None:
     # unknown (refused when the params have penalties).
     output_start: int | None = None
+    # Which figures the logprobs are (rsd.logprobs.LOGPROBS_MODES): raw or processed, log-probabilities or logits.
+    logprobs_mode: str = RAW_LOGPROBS
 
     def check_rng(self) -> None:
         """ValueError when a sampling request comes without its draws."""
@@ -163,8 +166,10 @@ class VerifierPool:
                     tree = req.tree
                     masks = req.guide.tree_masks(req.committed_ids, tree.token_ids, tree.parent_idx, lg.shape[-1])
                     masked = mask_logits(lg, masks)  # [N, V]
-                probs = logits_to_probs(masked, req.params, _node_counts(req, lg))  # [N, V] float32 at least
-                verdict = _scored(verify(req.tree.to(probs.device), probs, req.rule, req.rng), lg, req)
+                processed = biased_logits(masked, req.params, _node_counts(req, lg))  # [N, V] float32 at least
+                probs = law_of(processed, req.params)  # [N, V]: the target laws the rule samples from
+                verdict = verify(req.tree.to(probs.device), probs, req.rule, req.rng)
+                verdict = _scored(verdict, req, lg, processed, probs)
             except Exception as e:  # one bad tree must not cost the others their step
                 verdicts.append(None)
                 errors[req.session_id] = e
@@ -277,10 +282,12 @@ def _node_counts(req: VerifyRequest, logits: Tensor) -> TokenCounts | None:
     )
 
 
-def _scored(verdict: Verdict, logits: Tensor, req: VerifyRequest) -> ScoredVerdict:
-    """The verdict with its tokens' log-probabilities when req asks: logits [N, V] is the tree's."""
+def _scored(verdict: Verdict, req: VerifyRequest, logits: Tensor, processed: Tensor, probs: Tensor) -> ScoredVerdict:
+    """The verdict with its tokens' log-probabilities when req asks (req.logprobs_mode's figures): the tree's
+    logits, processed logits (masked, biased, penalised) and laws, each [N, V]."""
     logprobs = None
     if req.num_top_logprobs is not None:
-        rows = logits[emitted_rows(verdict.accepted_idx)]  # [M, V]
-        logprobs = token_logprobs(rows, torch.tensor(verdict.token_ids), req.num_top_logprobs)
+        rows = emitted_rows(verdict.accepted_idx)  # [M] nodes
+        scores = law_scores(req.logprobs_mode, logits[rows], processed[rows], probs[rows], req.params.temperature)
+        logprobs = token_scores(scores, torch.tensor(verdict.token_ids), req.num_top_logprobs)
     return ScoredVerdict(**{f.name: getattr(verdict, f.name) for f in dataclasses.fields(verdict)}, logprobs=logprobs)

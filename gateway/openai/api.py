@@ -131,6 +131,7 @@ _PUBLIC = {
     "params.stop_sequences": "stop",
     "params.verification": "verification",
     "params.adaptive_shape": "adaptive_shape",
+    "params.logprobs_mode": "logprobs_mode",
     "session_id": "session_id",
 }
 
