@@ -39,6 +39,8 @@ from rsd_wire.convert import token_logprobs_from_proto
 from tests.fixtures.pki import make_pki
 from tests.fixtures.services import penalised_greedy, processed_scores
 from tests.fixtures.stack import start_registered_services, start_stack
+from verifier_service.config import VerifierConfig
+from verifier_service.server import create_server as create_verifier
 
 TOKEN = "s3cret-token"
 MODEL = "rsd-tiny"
@@ -1135,6 +1137,35 @@ def test_n_chat_choices_with_logprobs(gw):
     assert len(out.choices[0].logprobs.content) == len(
         wait_until_done(gw, out.session_ids[0]).committed_token_ids
     ) - len(wait_until_done(gw, out.session_ids[0]).prompt_token_ids)
+
+
+def test_n_choices_share_the_prompts_prefill_on_one_verifier(loop, pair, redis_url):
+    """With two verifiers, the n choices go beside choice 0 (its verifier has room), whose pool reads the prompt's
+    K/V off one slot for the other choices instead of computing them again; each choice is still the single run
+    with its seed (on whichever verifier that lands)."""
+    registry = {"redis_url": redis_url, "redis_namespace": f"rsd-test-n-{time.monotonic_ns()}"}
+    closers = loop.run(start_registered_services(pair, registry), timeout_s=120)
+    v1 = loop.run(create_verifier(VerifierConfig(verifier_id="v1", **registry), pair[1]))
+    closers.append((v1[2], v1[0]))
+    cfg = GatewayConfig(port=0, http_port=0, auth_token=TOKEN, served_model_name=MODEL, **registry)
+    server, port, handle = loop.run(create_server(cfg, tokenizer=pair[2]))
+    gw = Gateway(server, handle, f"127.0.0.1:{port}")
+    try:
+        engines = {"v0": closers[1][0].servicer.engine, "v1": v1[2].servicer.engine}
+        prompt = "w2 w10 w11 w12 w13 w14 w15 w16 w17 w18"
+        kwargs = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0.9}
+        before = {v: e.num_shared_tokens for v, e in engines.items()}
+        out = gw.openai().completions.create(n=3, seed=21, **kwargs)
+        (verifier,) = {wait_until_done(gw, s).verifier_id for s in out.session_ids}  # one verifier for all
+        shared = engines[verifier].num_shared_tokens - before[verifier]
+        assert shared >= 2 * (len(pair[2].encode(prompt, add_special_tokens=False)) - 1)  # the prompt, twice
+        singles = [gw.openai().completions.create(seed=21 + i, **kwargs) for i in range(3)]
+        assert [c.text for c in out.choices] == [one.choices[0].text for one in singles]
+        assert len({c.text for c in out.choices}) > 1
+    finally:
+        loop.run(handle.close(server, 0))
+        for service, srv in closers:
+            loop.run(service.close(srv, 0))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from rsd.sampling import SamplingParams
 from rsd.tree import DraftTree
 from rsd_runtime.engines import Drafter, Verifier, forward_with_catch_up
 from rsd_runtime.generator import SpeculativeGenerator
-from rsd_runtime.models import load_model
+from rsd_runtime.models import batch_variance, load_model
 from rsd_runtime.runner import ModelRunner
 from rsd_tools.tiny import build_tiny_pair
 from tests.fixtures.services import processed_scores
@@ -308,6 +308,49 @@ def test_logprobs_are_the_plain_forwards_log_softmax(pair, params):
             committed[req.session_id] = seq
     plain = VerifyRequest("a", committed["a"], random_tree(committed["a"][-1], [-1], vocab, 9), rule, params, _rng())
     assert engine.verify_batch([plain])[0].logprobs is None  # not asked
+
+
+def test_sessions_of_one_prompt_share_its_prefill(pair):
+    """Three sessions of one prompt (OpenAI's n) and one other in a packed step: the prompt's K/V are computed
+    once (the input holds one copy of it) and the others attend to that slot's; a session attached later reads
+    them off a slot that holds them. Each session's verdicts and logits are those it gets alone in a pool of its
+    own, step after step (its cache is its own once copied), at T = 1 with its own draws."""
+    _, target = pair
+    vocab = target.config.vocab_size
+    prompts = {"a": PROMPTS[2], "b": PROMPTS[2], "c": PROMPTS[2], "d": PROMPTS[0], "e": PROMPTS[2]}
+    params, rule = SamplingParams(1.0), RULES["rrs"]
+    invariant = batch_variance(target) == ""  # then bit for bit: a row's logits depend on its own keys alone
+    engine = VerifierPool(target, num_slots=5, max_len=64)
+    alone = {s: VerifierPool(target, num_slots=1, max_len=64) for s in prompts}
+    committed = {s: list(p) for s, p in prompts.items()}
+    for s in prompts:
+        alone[s].attach(s, committed[s])
+    rows: list[int] = []
+    hook = target.get_input_embeddings().register_forward_hook(lambda m, args, out: rows.append(args[0].shape[-1]))
+    try:
+        for step, batch in enumerate([["a", "b", "c", "d"], ["a", "b", "c", "d"], ["e", "a"], ["e", "b"]]):
+            for s in batch:
+                if step == 0 or (s == "e" and step == 2):
+                    assert engine.attach(s, committed[s]) == 0
+            trees = {s: random_tree(committed[s][-1], SHAPES[i % 3], vocab, 10 * step + i) for i, s in enumerate(batch)}
+            reqs = [VerifyRequest(s, committed[s], trees[s], rule, params, _rng(100 * step + ord(s))) for s in batch]
+            rows.clear()
+            packed = engine.score_batch(reqs)
+            got = engine.verify_batch(reqs)
+            new_rows = rows[0]
+            for s, req, lg, verdict in zip(batch, reqs, packed, got, strict=True):
+                want_logits = alone[s].score_batch([req])[0]
+                torch.testing.assert_close(lg, want_logits, atol=0 if invariant else ATOL, rtol=0)
+                assert verdict == alone[s].verify_batch([req])[0]
+                committed[s] = committed[s] + verdict.token_ids
+            nodes = sum(t.num_nodes for t in trees.values())
+            if step == 0:  # one prompt chain for a, b, c (not three); d's but its first token (2, as a's)
+                assert new_rows == len(PROMPTS[2]) - 1 + len(PROMPTS[0]) - 2 + nodes
+            elif step == 2:  # e's prompt from a's slot: the trees alone
+                assert new_rows == nodes
+    finally:
+        hook.remove()
+    assert engine.cached_length("e") == len(committed["e"]) - 1
 
 
 class ParityAutomaton:
