@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from rsd.logprobs import LOGPROBS_MODES
+from rsd.logprobs import LOGPROBS_MODES, RAW_LOGPROBS
 from rsd.methods import Method
 from rsd_service.config import PeerTLSConfig, ServiceConfig
 
@@ -74,7 +74,7 @@ class GatewayConfig(PeerTLSConfig, ServiceConfig):
     served_model_name: str = ""  # the model id it answers to ("" = the tokenizer folder's name)
     # Which figures logprobs are when a request does not say (params.logprobs_mode; vLLM's engine argument
     # --logprobs-mode, whose default this is): raw_logprobs, raw_logits, processed_logprobs or processed_logits.
-    logprobs_mode: str = "raw_logprobs"
+    logprobs_mode: str = RAW_LOGPROBS
 
     def checks(self) -> dict[str, bool]:
         return {

@@ -25,6 +25,7 @@ import grpc
 
 from rsd.acceptance import Rule
 from rsd.constraint import Guide
+from rsd.logprobs import RAW_LOGPROBS
 from rsd.methods import Method
 from rsd.random import StepRandom, Stream
 from rsd.sampling import SamplingParams
@@ -60,7 +61,7 @@ class _Session:
     seed: int  # acceptance draws: StepRandom(seed, Stream.VERIFY, root_position)
     cached_at_attach: int  # AttachResponse.cached_length_tokens
     num_top_logprobs: int | None = None  # verdicts carry logprobs with this many top tokens; None: none
-    logprobs_mode: str = "raw_logprobs"  # which figures (rsd.logprobs)
+    logprobs_mode: str = RAW_LOGPROBS  # which figures (params.logprobs_mode)
     guide: Guide | None = None  # structured output (params.constraint)
     output_start: int = 0  # committed[output_start:] is the turn's output (the penalties count it)
     last_tree: bytes = b""  # the last verified DraftTree, serialized, and its verdict
