@@ -23,6 +23,7 @@ from rsd_wire import drafter_pb2, drafter_pb2_grpc
 from rsd_wire.convert import (
     constraint_from_proto,
     generation_params_from_proto,
+    logprobs_mode_from_proto,
     num_top_logprobs,
     output_start_from_proto,
     rule_from_proto,
@@ -71,6 +72,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         sampling, method, seed = generation_params_from_proto(params)
         sampling.check_vocab(vocab)
         top_logprobs = num_top_logprobs(params)
+        logprobs_mode_from_proto(params)  # only the verifier applies it; a bad one is refused here already
         rule_from_proto(params, sampling, method)  # only the verifier applies it; a bad one is refused here already
         config = self.engine.config
         nodes = method.max_draft_tokens + 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from rsd.logprobs import LOGPROBS_MODES, RAW_LOGPROBS
 from rsd.methods import Method
 from rsd_service.config import PeerTLSConfig, ServiceConfig
 
@@ -71,6 +72,9 @@ class GatewayConfig(PeerTLSConfig, ServiceConfig):
     # serves the same engine with the same auth token, TLS, limits and metrics as the gRPC API.
     http_port: int = -1
     served_model_name: str = ""  # the model id it answers to ("" = the tokenizer folder's name)
+    # Which figures logprobs are when a request does not say (params.logprobs_mode; vLLM's engine argument
+    # --logprobs-mode, whose default this is): raw_logprobs, raw_logits, processed_logprobs or processed_logits.
+    logprobs_mode: str = RAW_LOGPROBS
 
     def checks(self) -> dict[str, bool]:
         return {
@@ -86,6 +90,7 @@ class GatewayConfig(PeerTLSConfig, ServiceConfig):
             "store_retry_s": self.store_retry_s > 0,
             "request_timeout_s": self.request_timeout_s >= 0,
             "http_port": -1 <= self.http_port < 65536,
+            "logprobs_mode": self.logprobs_mode in LOGPROBS_MODES,
         }
 
     def __post_init__(self) -> None:

@@ -63,23 +63,27 @@ class ServiceDirectory:
         log.warning("%s %s marked down for %.0f s", role, service_id, self.down_s)
         self._down_until[(role, service_id)] = time.monotonic() + self.down_s
 
-    async def pick(self, role: str, prefer: str = "") -> ServiceInfo:
+    async def pick(self, role: str, prefer: str = "", spare_only: bool = False) -> ServiceInfo:
+        """The preferred service while it is live (and, spare_only, below its capacity where it says one), else
+        the least loaded."""
         services = await self.live(role)
         if not services:
             raise Overloaded(f"no live {role}")
-        for s in services:
-            if s.service_id == prefer:
-                return s
 
         def load(s: ServiceInfo) -> float:
             return (s.load + self.assigned.get((role, s.service_id), 0)) / max(s.capacity, 1)
 
+        for s in services:
+            if s.service_id == prefer and not (spare_only and s.capacity and load(s) >= 1):
+                return s
         return min(services, key=lambda s: (load(s), s.service_id))
 
-    async def pick_pair(self, prefer_verifier: str = "", prefer_drafter: str = "") -> tuple[ServiceInfo, ServiceInfo]:
-        """-> (drafter, verifier), each the preferred one while it is live, else the least loaded."""
-        drafter = await self.pick("drafter", prefer_drafter)
-        return drafter, await self.pick("verifier", prefer_verifier)
+    async def pick_pair(
+        self, prefer_verifier: str = "", prefer_drafter: str = "", spare_only: bool = False
+    ) -> tuple[ServiceInfo, ServiceInfo]:
+        """-> (drafter, verifier), each the preferred one while it is live (see pick), else the least loaded."""
+        drafter = await self.pick("drafter", prefer_drafter, spare_only)
+        return drafter, await self.pick("verifier", prefer_verifier, spare_only)
 
     def hold(self, services: Sequence[ServiceInfo], n: int) -> None:
         """Count (+1) or uncount (-1) this gateway's runs on services. A pick is held at once, before any

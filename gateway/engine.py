@@ -395,13 +395,18 @@ class GatewayEngine:
 
     # -- Generate ------------------------------------------------------------------------------
 
-    async def generate(self, request: gateway_pb2.GenerateRequest) -> AsyncIterator[gateway_pb2.GenerateEvent]:
+    async def generate(
+        self, request: gateway_pb2.GenerateRequest, beside: str = ""
+    ) -> AsyncIterator[gateway_pb2.GenerateEvent]:
+        """The turn's events. beside: a running session of this gateway (n choices of one prompt) whose drafter and
+        verifier a new session takes while they have room, so the verifier computes the prompt's K/V once for all
+        (verifier_service.engine: shared prefixes); the tokens are the same on any verifier."""
         check_request(request)
         if request.session_id and request.WhichOneof("input") is None:
             async for event in self._resume(request):
                 yield event
             return
-        turn, started = await self._start_turn(request)
+        turn, started = await self._start_turn(request, beside)
         yield started
         while True:
             event = await turn.events.get()
@@ -421,7 +426,9 @@ class GatewayEngine:
         if self.tokenizer.eos_token_id not in params["eos_token_ids"]:
             params["eos_token_ids"] = [*params["eos_token_ids"], self.tokenizer.eos_token_id]
 
-    async def _start_turn(self, request: gateway_pb2.GenerateRequest) -> tuple[Turn, gateway_pb2.GenerateEvent]:
+    async def _start_turn(
+        self, request: gateway_pb2.GenerateRequest, beside: str = ""
+    ) -> tuple[Turn, gateway_pb2.GenerateEvent]:
         if len(self._turns) >= self.config.max_running_turns:
             raise Overloaded(f"{len(self._turns)} turns are running on this gateway (max_running_turns)")
         input_ids = await asyncio.to_thread(self.inputs.token_ids, request)  # a long text: off the event loop
@@ -451,7 +458,12 @@ class GatewayEngine:
             raise ContextLengthExceeded(
                 f"session would reach {total} tokens, more than max_session_tokens {self.config.max_session_tokens}"
             )
-        drafter, verifier = await self.services.pick_pair("" if record is None else record.kv.verifier_id)
+        if record is None and beside in self._turns:  # a choice of n: beside the first one, where it has room
+            first = self._turns[beside]
+            pair = (first.verifier.service_id, first.drafter.service_id)
+            drafter, verifier = await self.services.pick_pair(*pair, spare_only=True)
+        else:
+            drafter, verifier = await self.services.pick_pair("" if record is None else record.kv.verifier_id)
         check_context_length(committed_before + len(input_ids), params, (drafter, verifier))  # nothing stored yet
         self.services.hold((drafter, verifier), +1)  # _drive releases it; so does a failure before _drive
         try:

@@ -18,7 +18,14 @@ from rsd.sampling import SamplingParams
 from rsd.shape_control import adaptive_family
 from rsd_service.registry import ServiceInfo, check_id
 from rsd_wire import common_pb2, gateway_pb2
-from rsd_wire.convert import constraint_from_proto, constraint_to_proto, num_top_logprobs, parse_method, rule_from_proto
+from rsd_wire.convert import (
+    constraint_from_proto,
+    constraint_to_proto,
+    logprobs_mode_from_proto,
+    num_top_logprobs,
+    parse_method,
+    rule_from_proto,
+)
 
 MAX_REQUEST_ID = 128
 MAX_STOP_CHARS = 256
@@ -108,6 +115,7 @@ def default_params(config: GatewayConfig) -> dict[str, Any]:
         **PENALTY_DEFAULTS,
         "logprobs": False,
         "top_logprobs": 0,
+        "logprobs_mode": config.logprobs_mode,  # kept by a continuation that does not set it
         "verification": "token",
         "adaptive_shape": False,
         "constraint": None,  # structured output: [kind, value] (rsd.constraint.Constraint), the turn's own
@@ -154,6 +162,8 @@ def merge_params(base: Mapping[str, Any], msg: common_pb2.GenerationParams | Non
         params["seed"] = msg.seed
     if msg.verification:
         params["verification"] = msg.verification
+    if msg.logprobs_mode:
+        params["logprobs_mode"] = msg.logprobs_mode
     return params
 
 
@@ -174,6 +184,10 @@ def validate_params(params: Mapping[str, Any], config: GatewayConfig, vocab_size
         num_top_logprobs(params_to_proto(params))
     except ValueError as e:
         raise RequestError(str(e), "params.top_logprobs") from None
+    try:
+        logprobs_mode_from_proto(params_to_proto(params))
+    except ValueError as e:
+        raise RequestError(str(e), "params.logprobs_mode") from None
     try:
         method = parse_method(params["method"], params["shape"])
     except ValueError as e:
@@ -263,6 +277,7 @@ def params_to_proto(params: Mapping[str, Any]) -> common_pb2.GenerationParams:
     if params.get("seed") is not None:
         msg.seed = int(params["seed"])
     msg.verification = params.get("verification", "token")  # sessions stored before the field: the default
+    msg.logprobs_mode = params.get("logprobs_mode", "")  # sessions stored before the field: "" (raw_logprobs)
     if params.get("constraint"):  # the constrained text begins at the turn's first new token
         constraint = Constraint(*params["constraint"])
         msg.constraint.CopyFrom(constraint_to_proto(constraint, int(params.get("turn_start", 0))))

@@ -200,10 +200,15 @@ def logits_to_probs(logits: Tensor, params: SamplingParams, counts: TokenCounts 
     Temperature 0 gives the one-hot argmax (of the biased, penalised logits), so every acceptance rule
     degenerates to greedy matching.
     """
-    logits = biased_logits(logits, params, counts)
+    return law_of(biased_logits(logits, params, counts), params)
+
+
+def law_of(biased: Tensor, params: SamplingParams) -> Tensor:
+    """The law sampled from, given logits already biased and penalised (biased_logits): [..., V] -> [..., V].
+    The one-hot argmax at temperature 0, else the softmax at the temperature cut by top-k and top-p."""
     if params.greedy:
-        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    probs = torch.softmax(logits / params.temperature, dim=-1)
+        return torch.zeros_like(biased).scatter_(-1, biased.argmax(-1, keepdim=True), 1.0)
+    probs = torch.softmax(biased / params.temperature, dim=-1)
     return truncate(probs, params.top_k, params.top_p)
 
 

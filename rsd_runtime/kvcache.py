@@ -9,7 +9,9 @@ Two kinds share that core (KVLayer / KVCache: allocation, move, commit):
                      filled part and returns views [1, H_kv, filled, D]: no step copies the whole cache.
     SlotKVCache      S sessions (verifier_service.engine.VerifierPool). One packed call (`segments`) writes
                      each segment's new K/V into its slot after its cached prefix and returns
-                     cat(cached prefixes of every segment, then all new tokens) [1, H_kv, Σcached + T, D].
+                     cat(cached prefixes of every segment, then all new tokens) [1, H_kv, Σcached + T, D];
+                     a segment may read its prefix from another slot holding the same tokens (`prefix_slot`:
+                     n sequences of one prompt share its prefill), copied over afterwards (copy_prefix).
 Public operations: commit(slot, start, keep) keeps the tokens at start + keep[i] at start + i (the accepted
 chain of a tree, in place), crop(length) (SequenceKVCache) drops every token from `length` on;
 common_prefix_length() says how much of a cached sequence still matches the committed tokens.
@@ -168,6 +170,13 @@ class Segment:
     cached: int  # K/V already in the slot: positions [0, cached)
     start: int  # offset of its new tokens in the packed sequence
     length: int  # new tokens (the verifier: catch-up chain m + tree N)
+    # The slot whose [0, cached) the segment attends to: its own, or one holding the same tokens at those
+    # positions (written by an earlier segment of this call, or before it), copied into `slot` after the call.
+    prefix_slot: int | None = None
+
+    @property
+    def source(self) -> int:
+        return self.slot if self.prefix_slot is None else self.prefix_slot
 
 
 class SlotKVLayer(KVLayer):
@@ -189,8 +198,8 @@ class SlotKVLayer(KVLayer):
         for s in self.cache.segments:
             new = slice(s.start, s.start + s.length)
             self.write(s.slot, s.cached, key_states[0, :, new], value_states[0, :, new])  # [H_kv, len, D]
-            keys.append(self.keys[s.slot, :, : s.cached])  # [H_kv, cached, D] view
-            values.append(self.values[s.slot, :, : s.cached])
+            keys.append(self.keys[s.source, :, : s.cached])  # [H_kv, cached, D] view (read at the cat below,
+            values.append(self.values[s.source, :, : s.cached])  # after every segment's write)
         keys.append(key_states[0])  # [H_kv, T, D]
         values.append(value_states[0])
         return torch.cat(keys, 1)[None], torch.cat(values, 1)[None]  # [1, H_kv, Σcached + T, D]
@@ -209,3 +218,10 @@ class SlotKVCache(KVCache):
         self.num_slots, self.max_len = num_slots, max_len
         self.segments: list[Segment] = []
         super().__init__([SlotKVLayer(self) for _ in range(num_layers)])
+
+    def copy_prefix(self, src: int, dst: int, start: int, end: int) -> None:
+        """Copy slot src's K/V at positions [start, end) to the same positions of slot dst (every layer)."""
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.keys[dst, :, start:end] = layer.keys[src, :, start:end]
+                layer.values[dst, :, start:end] = layer.values[src, :, start:end]

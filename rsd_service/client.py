@@ -104,11 +104,13 @@ class RsdClient:
         presence_penalty: float | None = None,
         frequency_penalty: float | None = None,
         repetition_penalty: float | None = None,
+        logprobs_mode: str | None = None,
     ) -> Generation:
         """Start (no session_id), continue (session_id and input) or resume (session_id, no input).
         The input: prompt (text), token_ids, or messages as (role, content) pairs (chat template).
         Parameters left None take the gateway's defaults (new session) or the session's (continuation).
-        top_logprobs (0..20): each TokenDelta carries its tokens' logprobs with that many top tokens each.
+        top_logprobs (0..20): each TokenDelta carries its tokens' logprobs with that many top tokens each;
+        logprobs_mode: which figures (rsd.logprobs; None: the gateway's --logprobs-mode, or the session's).
         verification: "token" (the default), "traversal" or "block" (rsd.methods; the verifier applies it).
         adaptive_shape: the drafter picks each step's shape up to `shape` (rsd.shape_control); this turn only."""
         request = gateway_pb2.GenerateRequest(session_id=session_id, request_id=request_id)
@@ -136,6 +138,7 @@ class RsdClient:
             verification,
             adaptive_shape,
             penalties=(presence_penalty, frequency_penalty, repetition_penalty),
+            logprobs_mode=logprobs_mode,
         )
         if params is not None:
             request.params.CopyFrom(params)
@@ -165,6 +168,7 @@ def build_params(
     adaptive_shape: bool = False,
     *,
     penalties: tuple[float | None, float | None, float | None] = (None, None, None),
+    logprobs_mode: str | None = None,
 ) -> common_pb2.GenerationParams | None:
     """GenerationParams with only the given fields present (None when nothing is given). top_logprobs given:
     logprobs on, with that many top tokens. penalties: (presence, frequency, repetition), None = not given."""
@@ -195,5 +199,6 @@ def build_params(
         params.seed = seed
     params.verification = verification or ""
     params.adaptive_shape = adaptive_shape
+    params.logprobs_mode = logprobs_mode or ""
     given = params.HasField("sampling") or params.HasField("method") or params.HasField("seed") or params.logprobs
-    return params if given or max_new_tokens or stop or verification or adaptive_shape else None
+    return params if given or max_new_tokens or stop or verification or adaptive_shape or logprobs_mode else None

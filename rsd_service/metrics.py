@@ -187,6 +187,12 @@ class VerifierMetrics(ServiceMetrics):
         Gauge("rsd_verifier_queue_depth", "trees waiting for a forward", registry=r).set_function(
             lambda: batcher.num_queued
         )
+        Gauge(
+            "rsd_verifier_shared_prefix_tokens",
+            "prefix tokens (e.g. the prompt of n > 1 choices) read off another session's KV slot instead of "
+            "computed, since start (monotonic)",
+            registry=r,
+        ).set_function(lambda: servicer.engine.num_shared_tokens)
         self.trees_per_forward = Histogram(
             "rsd_verifier_batch_trees", "trees (sessions) packed into one forward", buckets=_COUNT_BUCKETS, registry=r
         )

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from rsd.acceptance import Rule, Verdict
 from rsd.constraint import Constraint
-from rsd.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
+from rsd.logprobs import MAX_TOP_LOGPROBS, RAW_LOGPROBS, TokenLogprobs, check_mode
 from rsd.methods import VERIFICATIONS, Method
 from rsd.sampling import SamplingParams, nonzero_ids
 from rsd.tree import DraftTree, validate_draft_tree, validate_tree
@@ -285,6 +285,14 @@ def num_top_logprobs(msg: common_pb2.GenerationParams) -> int | None:
     if msg.top_logprobs > MAX_TOP_LOGPROBS:
         raise ValueError(f"params.top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got {msg.top_logprobs}")
     return msg.top_logprobs
+
+
+def logprobs_mode_from_proto(msg: common_pb2.GenerationParams) -> str:
+    """params.logprobs_mode, "" read as "raw_logprobs" (rsd.logprobs.LOGPROBS_MODES); ValueError naming the field."""
+    try:
+        return check_mode(msg.logprobs_mode or RAW_LOGPROBS)
+    except ValueError as e:
+        raise ValueError(f"params.{e}") from None
 
 
 # ---------------------------------------------------------------------------------------------

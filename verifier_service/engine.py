@@ -11,9 +11,17 @@ positions [0, cached_len). One verify_batch call:
        cached_len_i, and attends with a block-diagonal float mask: a node of session i sees session i's
        cached prefix, its catch-up chain and its own tree ancestors only
     3. walks each tree with its own rule and draws (rsd.acceptance.verify), on the target's device, and reads
-       the emitted tokens' log-probabilities off the same logits when the request asks (rsd.logprobs)
+       the emitted tokens' log-probabilities off the same logits, or off the same laws (processed modes),
+       when the request asks (rsd.logprobs)
     4. moves the accepted nodes' K/V (inside the slot) right after the chain and root; the rest is
        overwritten later. No whole-cache copy ever happens.
+Shared prefixes (n sequences of one prompt, OpenAI's n): a request whose committed tokens begin with more tokens
+than its slot holds, which another slot holds (or which an earlier request of the same call writes into its slot
+in this very forward), attends to that slot's K/V for them instead of computing them again (Segment.prefix_slot),
+and they are copied into its own slot when its verdict is committed (the source's commit keeps them: it only
+moves nodes past its own committed tokens). The K/V of a token are a function of the tokens up to it
+and their positions alone, so this changes no logit (bit for bit where the forward is batch-invariant:
+rsd_runtime.models.batch_variance); each session keeps its own draws, so its tokens are those it gets alone.
 
 Why not transformers' continuous batching (PagedAttentionCache + `paged|sdpa`): its input builder makes
 a causal mask per request from its own scheduler state, with no way to hand it a tree mask, and its
@@ -31,10 +39,10 @@ from transformers import PreTrainedModel
 
 from rsd.acceptance import Rule, Verdict, verify
 from rsd.constraint import Guide, mask_logits
-from rsd.logprobs import TokenLogprobs, emitted_rows, token_logprobs
+from rsd.logprobs import RAW_LOGPROBS, TokenLogprobs, emitted_rows, law_scores, token_scores
 from rsd.penalties import TokenCounts, counts_at
 from rsd.random import StepRandom
-from rsd.sampling import SamplingParams, logits_to_probs
+from rsd.sampling import SamplingParams, biased_logits, law_of
 from rsd.tree import DraftTree, node_depths, tree_attention_mask, validate_tree
 from rsd_runtime.attention import check_model
 from rsd_runtime.kvcache import Segment, SlotKVCache, common_prefix_length
@@ -77,6 +85,8 @@ class VerifyRequest:
     # committed_ids[output_start:] is the turn's output, which the penalties count (rsd.penalties); None:
     # unknown (refused when the params have penalties).
     output_start: int | None = None
+    # Which figures the logprobs are (rsd.logprobs.LOGPROBS_MODES): raw or processed, log-probabilities or logits.
+    logprobs_mode: str = RAW_LOGPROBS
 
     def check_rng(self) -> None:
         """ValueError when a sampling request comes without its draws."""
@@ -114,6 +124,7 @@ class VerifierPool:
         self._slot_of: dict[str, int] = {}
         self._free = list(range(num_slots - 1, -1, -1))  # pop() gives the lowest free slot
         self._cached: list[list[int]] = [[] for _ in range(num_slots)]  # tokens whose K/V sit in each slot
+        self.num_shared_tokens = 0  # prefix tokens read off another session's slot instead of computed
 
     # ---- sessions -------------------------------------------------------------------------------
     @property
@@ -163,8 +174,10 @@ class VerifierPool:
                     tree = req.tree
                     masks = req.guide.tree_masks(req.committed_ids, tree.token_ids, tree.parent_idx, lg.shape[-1])
                     masked = mask_logits(lg, masks)  # [N, V]
-                probs = logits_to_probs(masked, req.params, _node_counts(req, lg))  # [N, V] float32 at least
-                verdict = _scored(verify(req.tree.to(probs.device), probs, req.rule, req.rng), lg, req)
+                processed = biased_logits(masked, req.params, _node_counts(req, lg))  # [N, V] float32 at least
+                probs = law_of(processed, req.params)  # [N, V]: the target laws the rule samples from
+                verdict = verify(req.tree.to(probs.device), probs, req.rule, req.rng)
+                verdict = _scored(verdict, req, lg, processed, probs)
             except Exception as e:  # one bad tree must not cost the others their step
                 verdicts.append(None)
                 errors[req.session_id] = e
@@ -184,9 +197,11 @@ class VerifierPool:
     def _forward(self, requests: list[VerifyRequest]) -> tuple[list[Segment], list[Tensor]]:
         self._validate(requests)
         ids, pos, rows, segments, start, cache_off = [], [], [], [], 0, 0
-        for req in requests:
+        own_cached = [self._sync(self._slot_of[req.session_id], req.committed_ids) for req in requests]
+        for i, req in enumerate(requests):
             slot = self._slot_of[req.session_id]
-            cached = self._sync(slot, req.committed_ids)
+            source, cached = self._prefix_source(requests[:i], segments, slot, req.committed_ids[:-1], own_cached[i])
+            self.num_shared_tokens += cached - own_cached[i]
             behind = req.committed_ids[cached:-1]  # catch-up chain
             m, n = len(behind), req.tree.num_nodes
             # The segment's own columns: the chain is causal, the tree sees the whole chain and its ancestors.
@@ -197,7 +212,7 @@ class VerifierPool:
             rows.append((cache_off, cached, own))
             ids += behind + req.tree.token_ids.tolist()
             pos.append(cached + torch.cat([torch.arange(m), m + node_depths(req.tree.parent_idx.cpu())]))  # [m + N]
-            segments.append(Segment(slot, cached, start, m + n))
+            segments.append(Segment(slot, cached, start, m + n, None if source == slot else source))
             start, cache_off = start + m + n, cache_off + cached
         total, device = start, self.model.device
         # Block-diagonal: a node of session i sees session i's cached prefix, chain and own ancestors only.
@@ -230,6 +245,27 @@ class VerifierPool:
         finally:
             self.cache.segments = []
         return segments, list(logits.split(nodes))
+
+    def _prefix_source(
+        self, earlier: list[VerifyRequest], segments: list[Segment], slot: int, prefix: list[int], own: int
+    ) -> tuple[int, int]:
+        """(the slot whose K/V the request attends to for its first tokens, how many): its own slot and the `own`
+        tokens it holds, unless another slot holds more of `prefix` at the same positions. An earlier request of
+        the call that reads its own slot holds its whole committed prefix there once its segment is written (the
+        layers write every segment before reading any cached prefix); any other slot holds what `_cached` says
+        (synced already: a later request of the call writes past it)."""
+        if own >= len(prefix):  # a running session's step: its slot holds all of it (the search is for prefills)
+            return slot, own
+        holds = {s: self._cached[s] for s in self._slot_of.values()}
+        for req, seg in zip(earlier, segments, strict=True):
+            if seg.prefix_slot is None:
+                holds[seg.slot] = req.committed_ids[:-1]
+        best, source = own, slot
+        for other, tokens in holds.items():
+            n = common_prefix_length(tokens, prefix) if other != slot else 0
+            if n > best:
+                best, source = n, other
+        return source, best
 
     def _validate(self, requests: list[VerifyRequest]) -> None:
         if not requests:
@@ -264,6 +300,8 @@ class VerifierPool:
     def _commit(self, seg: Segment, req: VerifyRequest, verdict: Verdict) -> None:
         """Keep chain + root + accepted nodes, contiguous after the old cached prefix."""
         m = seg.length - req.tree.num_nodes
+        if seg.prefix_slot is not None:  # the shared prefix, into the session's own slot for its next steps
+            self.cache.copy_prefix(seg.prefix_slot, seg.slot, len(self._cached[seg.slot]), seg.cached)
         keep = list(range(m + 1)) + [m + n for n in verdict.accepted_idx]  # offsets inside the segment
         self.cache.commit(seg.slot, seg.cached, keep)
         self._cached[seg.slot] = req.committed_ids + verdict.accepted_ids
@@ -277,10 +315,12 @@ def _node_counts(req: VerifyRequest, logits: Tensor) -> TokenCounts | None:
     )
 
 
-def _scored(verdict: Verdict, logits: Tensor, req: VerifyRequest) -> ScoredVerdict:
-    """The verdict with its tokens' log-probabilities when req asks: logits [N, V] is the tree's."""
+def _scored(verdict: Verdict, req: VerifyRequest, logits: Tensor, processed: Tensor, probs: Tensor) -> ScoredVerdict:
+    """The verdict with its tokens' log-probabilities when req asks (req.logprobs_mode's figures): the tree's
+    logits, processed logits (masked, biased, penalised) and laws, each [N, V]."""
     logprobs = None
     if req.num_top_logprobs is not None:
-        rows = logits[emitted_rows(verdict.accepted_idx)]  # [M, V]
-        logprobs = token_logprobs(rows, torch.tensor(verdict.token_ids), req.num_top_logprobs)
+        rows = emitted_rows(verdict.accepted_idx)  # [M] nodes
+        scores = law_scores(req.logprobs_mode, logits[rows], processed[rows], probs[rows], req.params.temperature)
+        logprobs = token_scores(scores, torch.tensor(verdict.token_ids), req.num_top_logprobs)
     return ScoredVerdict(**{f.name: getattr(verdict, f.name) for f in dataclasses.fields(verdict)}, logprobs=logprobs)

@@ -6,7 +6,7 @@ rule (params.verification picks it; each verdict's stats name it), the seed (eac
 draws come from StepRandom(seed, Stream.VERIFY, root position), as in the in-process
 SpeculativeGenerator, so a run reproduces it token for token), the last verified step with its
 verdict for idempotent retries, and whether its verdicts carry the emitted tokens' log-probabilities
-(params.logprobs, params.top_logprobs).
+(params.logprobs, params.top_logprobs; which figures: params.logprobs_mode).
 
 Status codes: malformed request or tree -> INVALID_ARGUMENT; session not attached -> NOT_FOUND;
 older epoch, or a tree whose root_position is not the end of the committed sequence ->
@@ -25,6 +25,7 @@ import grpc
 
 from rsd.acceptance import Rule
 from rsd.constraint import Guide
+from rsd.logprobs import RAW_LOGPROBS
 from rsd.methods import Method
 from rsd.random import StepRandom, Stream
 from rsd.sampling import SamplingParams
@@ -36,6 +37,7 @@ from rsd_wire.convert import (
     constraint_from_proto,
     draft_tree_from_proto,
     generation_params_from_proto,
+    logprobs_mode_from_proto,
     num_top_logprobs,
     output_start_from_proto,
     rule_from_proto,
@@ -59,6 +61,7 @@ class _Session:
     seed: int  # acceptance draws: StepRandom(seed, Stream.VERIFY, root_position)
     cached_at_attach: int  # AttachResponse.cached_length_tokens
     num_top_logprobs: int | None = None  # verdicts carry logprobs with this many top tokens; None: none
+    logprobs_mode: str = RAW_LOGPROBS  # which figures (params.logprobs_mode)
     guide: Guide | None = None  # structured output (params.constraint)
     output_start: int = 0  # committed[output_start:] is the turn's output (the penalties count it)
     last_tree: bytes = b""  # the last verified DraftTree, serialized, and its verdict
@@ -119,6 +122,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             )
         params, method, seed = generation_params_from_proto(request.params)
         top_logprobs = num_top_logprobs(request.params)
+        logprobs_mode = logprobs_mode_from_proto(request.params)
         params.check_vocab(vocab)
         rule = rule_from_proto(request.params, params, method)  # params.verification
         constraint = constraint_from_proto(request.params)  # the automaton may take seconds: off the event loop
@@ -153,6 +157,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 seed=seed,
                 cached_at_attach=cached,
                 num_top_logprobs=top_logprobs,
+                logprobs_mode=logprobs_mode,
                 guide=guide,
                 output_start=output_start,
             )
@@ -257,6 +262,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 session.num_top_logprobs,
                 session.guide,
                 session.output_start,
+                session.logprobs_mode,
             )
             num_new = root_position - self.engine.cached_length(sid) + tree.num_nodes  # prefill chain + tree
             serialized = msg.SerializeToString(deterministic=True)

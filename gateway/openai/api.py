@@ -131,6 +131,7 @@ _PUBLIC = {
     "params.stop_sequences": "stop",
     "params.verification": "verification",
     "params.adaptive_shape": "adaptive_shape",
+    "params.logprobs_mode": "logprobs_mode",
     "session_id": "session_id",
 }
 
@@ -396,7 +397,8 @@ class HttpApi:
             chat = model is ChatCompletionRequest
             for i, generate in enumerate(body.to_generate_requests(call.request_id)):  # n turns, one a choice
                 # the Generate stream metrics, as for a gRPC call
-                choice = _Choice(i, self.engine.generate(generate), self.metrics.observer(_GENERATE))
+                beside = choices[0].session_id if choices else ""  # one verifier computes the prompt once
+                choice = _Choice(i, self.engine.generate(generate, beside), self.metrics.observer(_GENERATE))
                 choices.append(choice)
                 first = await anext(choice.events)  # the turn started (or the request was refused: raised here)
                 choice.observe(first)

@@ -15,7 +15,9 @@ its events by `Reply`. What is supported of OpenAI's API:
     rsd's own (extra body fields): method, shape, top_k, repetition_penalty (> 0, 1 = off; vLLM's), session_id
     (continue that session: its committed tokens, then this request's prompt or messages), verification ("token",
     "traversal", "block": the exact rule that verifies the trees, rsd.methods), adaptive_shape (true: the drafter
-    picks each step's shape up to `shape`, rsd.shape_control; sd, spectr and rsd_s only)
+    picks each step's shape up to `shape`, rsd.shape_control; sd, spectr and rsd_s only), logprobs_mode (vLLM's
+    engine argument, per request here: raw_logprobs, raw_logits, processed_logprobs, processed_logits; rsd.logprobs;
+    absent = the gateway's --logprobs-mode)
     /tokenize, /detokenize  vLLM's bodies (TokenizeCompletionRequest / TokenizeChatRequest, DetokenizeRequest)
 A null is the field's default, as OpenAI and vLLM read it. Anything else is refused (400), never silently ignored:
 a field that changes sampling must not be dropped.
@@ -140,6 +142,7 @@ class _GenerateBody(_Body):
     top_k: int | None = Field(None, ge=0)
     session_id: str | None = None
     verification: str | None = None  # "token", "traversal" or "block"; the gateway checks it (params.verification)
+    logprobs_mode: str | None = None  # vLLM's (its engine argument): which figures logprobs are (rsd.logprobs)
     adaptive_shape: bool = False  # the drafter picks each step's shape up to `shape` (rsd.shape_control)
     logit_bias: dict[str, float] | None = None  # OpenAI's
     response_format: ResponseFormat | None = None  # OpenAI's
@@ -239,6 +242,7 @@ class _GenerateBody(_Body):
             verification=self.verification,
             adaptive_shape=self.adaptive_shape,
             penalties=(self.presence_penalty, self.frequency_penalty, self.repetition_penalty),
+            logprobs_mode=self.logprobs_mode,
         )
         if params is not None:
             request.params.CopyFrom(params)
@@ -471,8 +475,9 @@ Entry = tuple[str, float, list[tuple[str, float]]]
 
 @dataclass
 class Logprobs:
-    """A choice's `logprobs` from its TokenDeltas' TokenLogprobs (the target's raw log-probabilities:
-    rsd.logprobs), in OpenAI's shapes. A token's text is the tokenizer's decoding of that one id.
+    """A choice's `logprobs` from its TokenDeltas' TokenLogprobs (the target's log-probabilities, or the figures
+    of the request's logprobs_mode: rsd.logprobs), in OpenAI's shapes. A token's text is the tokenizer's decoding
+    of that one id.
         chat         {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}
         completions  {"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}: text_offset is
                      where each token's text starts in the completion, counted over the chunks of a stream"""

@@ -277,6 +277,11 @@ def test_bad_input_gets_a_status_and_harms_no_one(models):
             bad_rule = verifier_pb2.AttachRequest(session_id="y", epoch=1, committed_token_ids=PROMPT, params=params)
             details = await expect_status(invalid, vstub.Attach(bad_rule))
             assert details.startswith("params.verification") and reason in details and len(details) < 200
+        bad_mode = gen_params("rsd_c", "2,2,1", 0.9, seed=5)
+        bad_mode.logprobs, bad_mode.logprobs_mode = True, "processed"
+        bad_mode_attach = verifier_pb2.AttachRequest(session_id="y", epoch=1, committed_token_ids=PROMPT)
+        bad_mode_attach.params.CopyFrom(bad_mode)
+        assert (await expect_status(invalid, vstub.Attach(bad_mode_attach))).startswith("params.logprobs_mode")
         # After all that, the session still verifies a good tree.
         assert (await verify_once(vstub, tree_msg())).root_position == 4
 
@@ -293,6 +298,7 @@ def test_bad_input_gets_a_status_and_harms_no_one(models):
             {"params": gen_params("sd", "3", -1.0, seed=1)},
             {"params": gen_params("sd", "3", 1.0, seed=1, verification="Token")},  # the drafter refuses it too
             {"params": gen_params("spectr", "2x3", 1.0, seed=1, verification="block")},
+            {"params": common_pb2.GenerationParams(method=good.method, seed=1, logprobs_mode="raw")},
             {"verifier_address": ""},
             {"max_new_tokens": MAX_LEN},
         ]

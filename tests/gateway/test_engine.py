@@ -61,6 +61,8 @@ def test_config_checks_its_defaults():
         GatewayConfig(default_max_new_tokens=10, max_new_tokens_limit=5)
     with pytest.raises(ValueError, match="id=host:port"):
         GatewayConfig(drafters="localhost:1")
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        GatewayConfig(logprobs_mode="processed")
 
 
 def test_params_merge_and_validate():
@@ -89,6 +91,12 @@ def test_params_merge_and_validate():
     assert adaptive["adaptive_shape"] and params_to_proto(adaptive).adaptive_shape
     validate_params(adaptive, config, 64)
     assert not merge_params(adaptive, build_params(seed=2))["adaptive_shape"]  # the turn's own
+    assert base["logprobs_mode"] == "raw_logprobs"  # the gateway's --logprobs-mode
+    processed = merge_params(again, build_params(logprobs_mode="processed_logits"))
+    assert params_to_proto(processed).logprobs_mode == "processed_logits"
+    assert merge_params(processed, build_params(seed=2))["logprobs_mode"] == "processed_logits"  # kept, as vLLM's
+    processed_default = GatewayConfig(logprobs_mode="processed_logprobs")
+    assert merge_params(default_params(processed_default), None)["logprobs_mode"] == "processed_logprobs"
     for change, reason in [
         ({"adaptive_shape": True, "method": "rsd_c", "shape": "2,1"}, "params.adaptive_shape: .* sd, spectr, rsd_s"),
         ({"verification": "bogus"}, "params.verification: unknown verification 'bogus'"),
@@ -104,6 +112,7 @@ def test_params_merge_and_validate():
         ({"logit_bias": [[3, -100.01]]}, "logit_bias values"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"top_logprobs": 2}, "top_logprobs: needs params.logprobs"),
+        ({"logprobs_mode": "logits"}, "params.logprobs_mode: must be one of raw_logprobs, raw_logits"),
     ]:
         with pytest.raises(RequestError, match=reason):
             validate_params({**again, **change}, config, 64)

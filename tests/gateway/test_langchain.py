@@ -89,6 +89,20 @@ def test_logprobs(served):
     assert all(len(e["top_logprobs"]) == 2 for e in got) and len(got) == 8
 
 
+def test_processed_logprobs_mode_in_extra_body(served):
+    """logprobs_mode (vLLM's values) rides in extra_body: processed_logprobs reach response_metadata as the
+    official client reads them (the log of the law sampled from, top_p cut included), not the raw figures."""
+    kwargs = {"logprobs": True, "top_logprobs": 2, "temperature": 0.7, "top_p": 0.5, "seed": 4}
+    processed = {**SPEC, "logprobs_mode": "processed_logprobs"}
+    reply = chat_model(served, extra_body=processed, **kwargs).invoke(MESSAGES)
+    want = official(served, extra_body=processed, **kwargs).choices[0].logprobs.content
+    raw = official(served, **kwargs).choices[0].logprobs.content
+    got = reply.response_metadata["logprobs"]["content"]
+    assert [(e["token"], e["logprob"]) for e in got] == [(e.token, e.logprob) for e in want]
+    assert [e.token for e in raw] == [e.token for e in want]  # the same law sampled: the same tokens
+    assert [e.logprob for e in raw] != [e.logprob for e in want]
+
+
 def test_presence_and_frequency_penalties(served):
     """The penalties reach the sampler: at T = 0 the official client's penalised text, not the plain one (negative
     ones: the random tiny model rarely repeats a token of its own, which a positive penalty would need)."""

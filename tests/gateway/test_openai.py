@@ -37,8 +37,10 @@ from rsd_tools.tiny import word_tokenizer
 from rsd_wire import common_pb2, gateway_pb2
 from rsd_wire.convert import token_logprobs_from_proto
 from tests.fixtures.pki import make_pki
-from tests.fixtures.services import penalised_greedy
+from tests.fixtures.services import penalised_greedy, processed_scores
 from tests.fixtures.stack import start_registered_services, start_stack
+from verifier_service.config import VerifierConfig
+from verifier_service.server import create_server as create_verifier
 
 TOKEN = "s3cret-token"
 MODEL = "rsd-tiny"
@@ -916,6 +918,110 @@ def test_chat_logprobs_and_top_logprobs(gw, pair, tiny_tokenizer, stream):
     assert plain.choices[0].logprobs is None
 
 
+PROCESSED = {  # logit_bias, penalties, temperature, top-k and top-p all move the law the tokens are sampled from
+    "temperature": 0.8,
+    "top_p": 0.9,
+    "logit_bias": {"40": 3.0, "7": -2.0},
+    "presence_penalty": 0.5,
+    "frequency_penalty": 0.3,
+    "extra_body": {"top_k": 20, "repetition_penalty": 1.3},
+}
+
+
+def processed_want(target, prompt: list[int], ids: list[int], params: SamplingParams, mode: str) -> torch.Tensor:
+    """The processed figures of `ids` after `prompt`, by hand on one plain forward's logits [M, V]."""
+    seq = prompt + ids
+    with torch.no_grad():
+        raw = target(torch.tensor([seq])).logits[0, len(prompt) - 1 : len(seq) - 1]  # [M, V]
+    return torch.stack([processed_scores(raw[j], prompt, ids[:j], params, mode) for j in range(len(ids))])
+
+
+@pytest.mark.parametrize("mode", ["processed_logprobs", "processed_logits"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("greedy", [False, True], ids=["T0.8", "T0"])
+def test_chat_processed_logprobs_are_the_law_sampled_from(gw, pair, tiny_tokenizer, mode, stream, greedy):
+    """logprobs_mode (an extra body field, vLLM's values) through the real services: each token's figure and the
+    top 3 equal a plain forward's logits with logit_bias, the penalties, temperature, top-k and top-p written out."""
+    messages = [{"role": r, "content": c} for r, c in CHAT]
+    client, prompt = gw.openai(), chat_ids(tiny_tokenizer, CHAT)
+    body = copy.deepcopy(PROCESSED) | ({"temperature": 0.0} if greedy else {})
+    body["extra_body"] |= {"logprobs_mode": mode, **RSD_C}
+    kwargs = {"model": MODEL, "messages": messages, "max_tokens": 10, "seed": 5, "logprobs": True, "top_logprobs": 3}
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **kwargs, **body))
+        session_id = chunks[0].session_id
+        content = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    else:
+        out = client.chat.completions.create(**kwargs, **body)
+        session_id, content = out.session_id, out.choices[0].logprobs.content
+    ids = list(wait_until_done(gw, session_id).committed_token_ids[len(prompt) :])
+    bias = tuple(sorted((int(t), b) for t, b in body["logit_bias"].items()))
+    penalties = (body["presence_penalty"], body["frequency_penalty"], body["extra_body"]["repetition_penalty"])
+    params = SamplingParams(body["temperature"], 20, body["top_p"], bias, *penalties)
+    want = processed_want(pair[1], prompt, ids, params, mode)
+    got = torch.tensor([e.logprob for e in content], dtype=torch.float64)
+    assert len(ids) == 10 and [e.token for e in content] == [tiny_tokenizer.decode([t]) for t in ids]
+    torch.testing.assert_close(got, want[torch.arange(len(ids)), torch.tensor(ids)], atol=1e-4, rtol=0)
+    floor = -9999.0  # JSON has no -inf: tokens outside the law (top-k, top-p) read as vLLM writes them
+    got_top = torch.tensor([[t.logprob for t in e.top_logprobs] for e in content], dtype=torch.float64)
+    torch.testing.assert_close(got_top, want.topk(3, -1).values.clamp(min=floor), atol=1e-4, rtol=0)
+    if greedy:  # the emitted token is the argmax of the processed logits
+        assert [e.top_logprobs[0].token for e in content] == [e.token for e in content]
+
+
+def test_logprobs_mode_default_is_the_gateways_and_raw_stays_raw(start_gateway, gw, pair, tiny_tokenizer):
+    """--logprobs-mode is the default of a request that does not say (vLLM's engine argument); a request's own
+    logprobs_mode wins; raw_logprobs ignores the transforms; gRPC's logprobs_mode is the same field."""
+    processed_gw = start_gateway(logprobs_mode="processed_logprobs")
+    prompt = tiny_tokenizer.encode(PROMPT, add_special_tokens=False)
+    kwargs = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "seed": 2, "logprobs": 2, **PROCESSED}
+    params = SamplingParams(0.8, 20, 0.9, ((7, -2.0), (40, 3.0)), 0.5, 0.3, 1.3)
+    by_default = processed_gw.openai().completions.create(**kwargs)
+    ids = list(wait_until_done(processed_gw, by_default.session_id).committed_token_ids[len(prompt) :])
+    want = processed_want(pair[1], prompt, ids, params, "processed_logprobs")
+    got = torch.tensor(by_default.choices[0].logprobs.token_logprobs, dtype=torch.float64)
+    torch.testing.assert_close(got, want[torch.arange(len(ids)), torch.tensor(ids)], atol=1e-4, rtol=0)
+    kwargs["extra_body"] = kwargs["extra_body"] | {"logprobs_mode": "raw_logprobs"}
+    raw = processed_gw.openai().completions.create(**kwargs)
+    assert wait_until_done(processed_gw, raw.session_id).committed_token_ids[len(prompt) :] == ids  # same law
+    got = torch.tensor(raw.choices[0].logprobs.token_logprobs)
+    assert torch.allclose(
+        got, plain_logprobs(pair[1], prompt, ids)[torch.arange(len(ids)), torch.tensor(ids)], atol=1e-4
+    )
+    with gw.grpc() as client:  # the same field over gRPC, on a gateway whose default is raw
+        gen = client.generate(
+            token_ids=prompt,
+            temperature=0.8,
+            top_k=20,
+            top_p=0.9,
+            seed=2,
+            max_new_tokens=8,
+            top_logprobs=0,
+            logit_bias={7: -2.0, 40: 3.0},
+            presence_penalty=0.5,
+            frequency_penalty=0.3,
+            repetition_penalty=1.3,
+            logprobs_mode="processed_logprobs",
+            method="rsd_s",
+            shape="3x4",
+        )
+        deltas = list(gen)
+    got = torch.cat([token_logprobs_from_proto(d.logprobs, len(d.token_ids)).logprobs for d in deltas]).double()
+    want = processed_want(pair[1], prompt, gen.token_ids, params, "processed_logprobs")
+    torch.testing.assert_close(got, want[torch.arange(8), torch.tensor(gen.token_ids)], atol=1e-4, rtol=0)
+
+
+def test_unknown_logprobs_mode_is_refused_by_name(gw):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "logprobs": 1, "logprobs_mode": "processed"}
+    reply = httpx.post(f"{gw.base_url}/completions", json=body, headers=_auth(), timeout=60)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == "logprobs_mode" and "must be one of raw_logprobs" in error["message"], error
+    with gw.grpc() as client, pytest.raises(grpc.RpcError) as info:
+        client.generate(PROMPT, max_new_tokens=2, top_logprobs=1, logprobs_mode="logits").wait()
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logprobs_mode" in info.value.details()
+
+
 @pytest.mark.parametrize(
     ("change", "reason"),
     [
@@ -1031,6 +1137,35 @@ def test_n_chat_choices_with_logprobs(gw):
     assert len(out.choices[0].logprobs.content) == len(
         wait_until_done(gw, out.session_ids[0]).committed_token_ids
     ) - len(wait_until_done(gw, out.session_ids[0]).prompt_token_ids)
+
+
+def test_n_choices_share_the_prompts_prefill_on_one_verifier(loop, pair, redis_url):
+    """With two verifiers, the n choices go beside choice 0 (its verifier has room), whose pool reads the prompt's
+    K/V off one slot for the other choices instead of computing them again; each choice is still the single run
+    with its seed (on whichever verifier that lands)."""
+    registry = {"redis_url": redis_url, "redis_namespace": f"rsd-test-n-{time.monotonic_ns()}"}
+    closers = loop.run(start_registered_services(pair, registry), timeout_s=120)
+    v1 = loop.run(create_verifier(VerifierConfig(verifier_id="v1", **registry), pair[1]))
+    closers.append((v1[2], v1[0]))
+    cfg = GatewayConfig(port=0, http_port=0, auth_token=TOKEN, served_model_name=MODEL, **registry)
+    server, port, handle = loop.run(create_server(cfg, tokenizer=pair[2]))
+    gw = Gateway(server, handle, f"127.0.0.1:{port}")
+    try:
+        engines = {"v0": closers[1][0].servicer.engine, "v1": v1[2].servicer.engine}
+        prompt = "w2 w10 w11 w12 w13 w14 w15 w16 w17 w18"
+        kwargs = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0.9}
+        before = {v: e.num_shared_tokens for v, e in engines.items()}
+        out = gw.openai().completions.create(n=3, seed=21, **kwargs)
+        (verifier,) = {wait_until_done(gw, s).verifier_id for s in out.session_ids}  # one verifier for all
+        shared = engines[verifier].num_shared_tokens - before[verifier]
+        assert shared >= 2 * (len(pair[2].encode(prompt, add_special_tokens=False)) - 1)  # the prompt, twice
+        singles = [gw.openai().completions.create(seed=21 + i, **kwargs) for i in range(3)]
+        assert [c.text for c in out.choices] == [one.choices[0].text for one in singles]
+        assert len({c.text for c in out.choices}) > 1
+    finally:
+        loop.run(handle.close(server, 0))
+        for service, srv in closers:
+            loop.run(service.close(srv, 0))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from rsd.logprobs import MAX_TOP_LOGPROBS, emitted_rows, token_logprobs
+from rsd.logprobs import LOGPROBS_MODES, MAX_TOP_LOGPROBS, check_mode, emitted_rows, law_scores, token_logprobs
+from rsd.sampling import SamplingParams, biased_logits, law_of
 
 
 def test_token_logprobs_are_log_softmax_and_its_top_k():
@@ -33,3 +34,30 @@ def test_token_logprobs_refuse_bad_input():
         token_logprobs(logits, torch.tensor([0, 1]), MAX_TOP_LOGPROBS + 1)
     with pytest.raises(ValueError, match="logits"):
         token_logprobs(logits, torch.tensor([0]), 1)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(0, logit_bias=((3, 2.0),)), SamplingParams(0.7, 10, 0.8)])
+def test_law_scores_of_each_mode(params):
+    """raw: the logits and their log_softmax; processed: the law sampled from (its log; logits / T cut to its
+    support), and at T = 0 the processed logits untouched by temperature, top-k and top-p."""
+    raw = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)) * 2  # [M, V]
+    processed = biased_logits(raw, params)
+    law = law_of(processed, params)
+    t = params.temperature
+    assert torch.equal(law_scores("raw_logits", raw, processed, law, t), raw)
+    assert torch.allclose(law_scores("raw_logprobs", raw, processed, law, t), torch.log_softmax(raw, -1))
+    lp = law_scores("processed_logprobs", raw, processed, law, t)
+    logits = law_scores("processed_logits", raw, processed, law, t)
+    if params.greedy:
+        assert torch.allclose(lp, torch.log_softmax(processed, -1)) and torch.equal(logits, processed)
+        assert torch.equal(lp.argmax(-1), law.argmax(-1))  # the greedy token is the most likely
+    else:
+        assert torch.equal(torch.isinf(lp), law == 0) and torch.equal(torch.isinf(logits), law == 0)
+        assert torch.allclose(lp.exp(), law, atol=1e-6)
+        assert torch.allclose(torch.log_softmax(logits, -1).exp(), law, atol=1e-6)  # the same law
+
+
+def test_unknown_logprobs_mode_is_refused_by_name():
+    assert [check_mode(m) for m in LOGPROBS_MODES] == list(LOGPROBS_MODES)
+    with pytest.raises(ValueError, match=r"logprobs_mode: must be one of raw_logprobs, .*got 'processed'"):
+        check_mode("processed")

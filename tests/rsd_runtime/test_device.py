@@ -160,10 +160,11 @@ def test_generation_on_the_device_equals_the_cpu(dirs, name, shape, temperature)
 
 
 def test_batched_verifier_on_the_device(dirs):
-    """VerifierPool with its target on the device verifies CPU trees (as they come off the wire)."""
+    """VerifierPool with its target on the device verifies CPU trees (as they come off the wire), a prompt shared
+    by two sessions (read off one slot) and processed logprobs read off the device's laws included."""
     cpu_target = load_model(dirs[1])
     trees = []
-    for i, prompt in enumerate([PROMPT, [2, 50, 51]]):
+    for i, prompt in enumerate([PROMPT, [2, 50, 51], PROMPT]):
         proposal = toy.TableProposal(toy.random_table(20 + i, cpu_target.config.vocab_size))
         tree = draft_tree(proposal, prompt[-1], [2, 2], DraftMode.WITHOUT_REPLACEMENT, StepRandom(i, Stream.DRAFT, 0))
         trees.append((f"s{i}", prompt, tree))
@@ -171,15 +172,21 @@ def test_batched_verifier_on_the_device(dirs):
     def run(pool: VerifierPool):
         for sid, prompt, _ in trees:
             pool.attach(sid, prompt)
+        params, rng = SamplingParams(0.9, top_k=20, logit_bias=((7, 2.0),)), StepRandom(0, Stream.VERIFY, 0)
         requests = [
-            VerifyRequest(sid, prompt, tree, RULES["rrs"], SamplingParams(0.9), StepRandom(i, Stream.VERIFY, 0))
-            for i, (sid, prompt, tree) in enumerate(trees)
+            VerifyRequest(sid, prompt, tree, RULES["rrs"], params, rng, 3, logprobs_mode="processed_logprobs")
+            for sid, prompt, tree in trees
         ]
         return pool.verify_batch(requests)
 
-    want = run(VerifierPool(cpu_target, 2, 64))
+    want = run(VerifierPool(cpu_target, 3, 64))
     with on_device():
-        got = run(VerifierPool(to_device(load_model(dirs[1])), 2, 64))
+        pool = VerifierPool(to_device(load_model(dirs[1])), 3, 64)
+        got = run(pool)
+    assert pool.num_shared_tokens == len(PROMPT) - 1 + 1  # s2 shares s0's prompt, s1 its first token (2)
     if not REAL:
         assert got == want
-    assert all(v.token_ids for v in got)
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g.logprobs.top_ids, w.logprobs.top_ids)
+            torch.testing.assert_close(g.logprobs.logprobs, w.logprobs.logprobs, atol=1e-5, rtol=0)
+    assert all(v.token_ids for v in got) and all(v.logprobs.logprobs.device.type == "cpu" for v in got)

@@ -32,6 +32,7 @@ from rsd_wire import (
 from rsd_wire.convert import (
     draft_tree_from_proto,
     draft_tree_to_proto,
+    logprobs_mode_from_proto,
     method_from_proto,
     method_shape,
     method_to_proto,
@@ -469,6 +470,10 @@ def test_num_top_logprobs_reads_the_request():
         num_top_logprobs(common_pb2.GenerationParams(logprobs=True, top_logprobs=21))
     with pytest.raises(ValueError, match=r"needs params\.logprobs"):
         num_top_logprobs(common_pb2.GenerationParams(top_logprobs=3))
+    assert logprobs_mode_from_proto(common_pb2.GenerationParams()) == "raw_logprobs"  # "": vLLM's default
+    assert logprobs_mode_from_proto(common_pb2.GenerationParams(logprobs_mode="processed_logits")) == "processed_logits"
+    with pytest.raises(ValueError, match=r"params\.logprobs_mode: must be one of"):
+        logprobs_mode_from_proto(common_pb2.GenerationParams(logprobs_mode="processed"))
 
 
 def test_rule_from_proto_names_params_verification():

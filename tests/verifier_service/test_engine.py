@@ -8,15 +8,17 @@ import pytest
 import torch
 
 from rsd.acceptance import RULES
+from rsd.constraint import Guide
 from rsd.methods import Method
 from rsd.random import StepRandom, Stream
 from rsd.sampling import SamplingParams
 from rsd.tree import DraftTree
 from rsd_runtime.engines import Drafter, Verifier, forward_with_catch_up
 from rsd_runtime.generator import SpeculativeGenerator
-from rsd_runtime.models import load_model
+from rsd_runtime.models import batch_variance, load_model
 from rsd_runtime.runner import ModelRunner
 from rsd_tools.tiny import build_tiny_pair
+from tests.fixtures.services import processed_scores
 from verifier_service.engine import (
     BatchVerifyError,
     PoolFullError,
@@ -306,6 +308,128 @@ def test_logprobs_are_the_plain_forwards_log_softmax(pair, params):
             committed[req.session_id] = seq
     plain = VerifyRequest("a", committed["a"], random_tree(committed["a"][-1], [-1], vocab, 9), rule, params, _rng())
     assert engine.verify_batch([plain])[0].logprobs is None  # not asked
+
+
+def test_sessions_of_one_prompt_share_its_prefill(pair):
+    """Three sessions of one prompt (OpenAI's n) and one other in a packed step: the prompt's K/V are computed
+    once (the input holds one copy of it) and the others attend to that slot's; a session attached later reads
+    them off a slot that holds them. Each session's verdicts and logits are those it gets alone in a pool of its
+    own, step after step (its cache is its own once copied), at T = 1 with its own draws."""
+    _, target = pair
+    vocab = target.config.vocab_size
+    prompts = {"a": PROMPTS[2], "b": PROMPTS[2], "c": PROMPTS[2], "d": PROMPTS[0], "e": PROMPTS[2]}
+    params, rule = SamplingParams(1.0), RULES["rrs"]
+    invariant = batch_variance(target) == ""  # then bit for bit: a row's logits depend on its own keys alone
+    engine = VerifierPool(target, num_slots=5, max_len=64)
+    alone = {s: VerifierPool(target, num_slots=1, max_len=64) for s in prompts}
+    committed = {s: list(p) for s, p in prompts.items()}
+    for s in prompts:
+        alone[s].attach(s, committed[s])
+    rows: list[int] = []
+    hook = target.get_input_embeddings().register_forward_hook(lambda m, args, out: rows.append(args[0].shape[-1]))
+    try:
+        for step, batch in enumerate([["a", "b", "c", "d"], ["a", "b", "c", "d"], ["e", "a"], ["e", "b"]]):
+            for s in batch:
+                if step == 0 or (s == "e" and step == 2):
+                    assert engine.attach(s, committed[s]) == 0
+            trees = {s: random_tree(committed[s][-1], SHAPES[i % 3], vocab, 10 * step + i) for i, s in enumerate(batch)}
+            reqs = [VerifyRequest(s, committed[s], trees[s], rule, params, _rng(100 * step + ord(s))) for s in batch]
+            rows.clear()
+            packed = engine.score_batch(reqs)
+            got = engine.verify_batch(reqs)
+            new_rows = rows[0]
+            for s, req, lg, verdict in zip(batch, reqs, packed, got, strict=True):
+                want_logits = alone[s].score_batch([req])[0]
+                torch.testing.assert_close(lg, want_logits, atol=0 if invariant else ATOL, rtol=0)
+                assert verdict == alone[s].verify_batch([req])[0]
+                committed[s] = committed[s] + verdict.token_ids
+            nodes = sum(t.num_nodes for t in trees.values())
+            if step == 0:  # one prompt chain for a, b, c (not three); d's but its first token (2, as a's)
+                assert new_rows == len(PROMPTS[2]) - 1 + len(PROMPTS[0]) - 2 + nodes
+            elif step == 2:  # e's prompt from a's slot: the trees alone
+                assert new_rows == nodes
+    finally:
+        hook.remove()
+    assert engine.cached_length("e") == len(committed["e"]) - 1
+
+
+class ParityAutomaton:
+    """A toy constraint: after an even number of generated tokens `forbidden[0]` is banned, after an odd one
+    `forbidden[1]`, so the mask of a tree node depends on its own path's length."""
+
+    initial_state = 0
+
+    def __init__(self, vocab: int, forbidden: tuple[list[int], list[int]]):
+        self.masks = torch.ones(2, vocab, dtype=torch.bool)  # [2, V]
+        for state, ids in enumerate(forbidden):
+            self.masks[state, ids] = False
+
+    def allowed(self, state):
+        return self.masks[state]
+
+    def next_state(self, state, token):
+        return 1 - state if self.masks[state, token] else None
+
+
+PROCESSED = [
+    SamplingParams(0, logit_bias=((40, 3.0),), presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.3),
+    SamplingParams(0.8, 20, 0.9, ((7, -2.0), (40, 3.0)), 0.5, 0.3, 1.3),
+    SamplingParams(1.0, logit_bias=((12, 1.5),), frequency_penalty=-0.4),
+]
+
+
+@pytest.mark.parametrize("mode", ["processed_logprobs", "processed_logits", "raw_logits"])
+@pytest.mark.parametrize("params", PROCESSED)
+@pytest.mark.parametrize("num_sessions", [1, 2])
+def test_processed_logprobs_are_the_law_sampled_from(pair, params, mode, num_sessions):
+    """logprobs_mode's figures of each emitted token (and the top 5) equal a plain forward's logits with the
+    constraint mask, logit_bias, penalties of the token's own path, temperature, top-k and top-p written out
+    by hand; one session alone and two packed in one forward."""
+    _, target = pair
+    vocab = target.config.vocab_size
+    trees = {  # the draft tokens (all but the roots) are known up front: the constraint must allow them
+        (i, step): random_tree(0, SHAPES[i], vocab, 20 + step) for i in range(num_sessions) for step in range(3)
+    }
+    drafted = {int(t) for tree in trees.values() for t in tree.token_ids[1:]}
+    free = [t for t in range(4, vocab) if t not in drafted and t not in (40, 7, 12)]
+    forbidden = (free[:30], free[30:60])
+    engine = VerifierPool(target, num_slots=2, max_len=64)
+    committed = {s: list(PROMPTS[2 * i]) for i, s in enumerate("ab"[:num_sessions])}
+    starts = {s: len(committed[s]) for s in committed}
+    guides = {s: Guide(ParityAutomaton(vocab, forbidden), starts[s]) for s in committed}
+    for s in committed:
+        engine.attach(s, committed[s])
+    rule = RULES["greedy" if params.greedy else "rrs"]
+    for step in range(3):
+        reqs = []
+        for i, s in enumerate(committed):
+            tree = random_tree(committed[s][-1], SHAPES[i], vocab, 20 + step)  # trees[i, step] under this root
+            reqs.append(VerifyRequest(s, committed[s], tree, rule, params, _rng(step), 5, guides[s], starts[s], mode))
+        for req, verdict in zip(reqs, engine.verify_batch(reqs), strict=True):
+            before, s = req.committed_ids, req.session_id
+            seq = before + verdict.token_ids
+            with torch.no_grad():
+                raw = target(torch.tensor([seq])).logits[0, len(before) - 1 : len(seq) - 1].float()  # [M, V]
+            if mode == "raw_logits":
+                want = raw.double()
+            else:
+                prompt, rows = seq[: starts[s]], []
+                for j in range(len(verdict.token_ids)):  # by hand, each with its own output so far
+                    output = seq[starts[s] : len(before) + j]
+                    rows.append(processed_scores(raw[j], prompt, output, params, mode, forbidden[len(output) % 2]))
+                want = torch.stack(rows)  # [M, V]
+            lp = verdict.logprobs
+            got_top = lp.top_logprobs.double()
+            want_top = want.topk(5, -1).values
+            assert torch.equal(torch.isinf(got_top), torch.isinf(want_top))
+            finite = torch.isfinite(want_top)
+            torch.testing.assert_close(got_top[finite], want_top[finite], atol=1e-4, rtol=0)
+            chosen = want[torch.arange(len(lp)), torch.tensor(verdict.token_ids)]
+            assert torch.isfinite(chosen).all()  # a token is emitted only where its law has mass
+            torch.testing.assert_close(lp.logprobs.double(), chosen, atol=1e-4, rtol=0)
+            if mode == "processed_logprobs" and params.greedy:
+                assert torch.equal(lp.top_ids[:, 0], torch.tensor(verdict.token_ids))  # the argmax, emitted
+            committed[s] = seq
 
 
 def test_logit_bias_moves_the_greedy_token_and_is_checked(pair):
