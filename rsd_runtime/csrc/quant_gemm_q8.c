@@ -459,6 +459,24 @@ static inline __m256i dup_hi16(__m256i pairs) {
 }
 static inline __m256i pair16(int16_t lo, int16_t hi) { return _mm256_set1_epi32((int32_t)(uint16_t)lo | (int32_t)hi << 16); }
 
+/* A chunk's 4 codes of 8 rows times the input's 4 codes, into the sub-block's accumulator; then the sub-block's
+   sum times its scale (scale pairs: int16 [8 rows][2], `second` picks one) as int32. With AVX512-VNNI dpbusd sums
+   in int32 (no int16 pairs to widen); without, maddubs pairs add up in int16 (bounds at the call sites). Either
+   way the same integers. */
+#if defined(Q8_VNNI)
+static inline __m256i chunk_dot(__m256i acc, __m256i codes, __m256i a4) { return _mm256_dpbusd_epi32(acc, codes, a4); }
+static inline __m256i scaled(__m256i sum, __m256i pairs, int second) {
+    return _mm256_mullo_epi32(sum, second ? _mm256_srai_epi32(pairs, 16) : _mm256_srai_epi32(_mm256_slli_epi32(pairs, 16), 16));
+}
+#else
+static inline __m256i chunk_dot(__m256i acc, __m256i codes, __m256i a4) {
+    return _mm256_add_epi16(acc, _mm256_maddubs_epi16(codes, a4));
+}
+static inline __m256i scaled(__m256i sum, __m256i pairs, int second) {
+    return _mm256_madd_epi16(sum, second ? dup_hi16(pairs) : dup_lo16(pairs));
+}
+#endif
+
 static inline __attribute__((always_inline)) void
 x8_q4_k_block(const uint8_t* g, const int8_t* const* a, const float* da, const int16_t* const* sums, __m256* acc, const int nr) {
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)g));
@@ -475,14 +493,13 @@ x8_q4_k_block(const uint8_t* g, const int8_t* const* a, const float* da, const i
             const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * (8 * c + t)));
             const __m256i vl = _mm256_and_si256(v, low), vh = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
             for (int r = 0; r < nr; r++) { /* each pair <= 2 * 15 * 127: 8 of them fit int16 */
-                lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(vl, bcast4(a[r] + 64 * c + 4 * t)));
-                hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(vh, bcast4(a[r] + 64 * c + 32 + 4 * t)));
+                lo[r] = chunk_dot(lo[r], vl, bcast4(a[r] + 64 * c + 4 * t));
+                hi[r] = chunk_dot(hi[r], vh, bcast4(a[r] + 64 * c + 32 + 4 * t));
             }
         }
         const __m256i sc = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(g + 32 + 16 * c)));
-        const __m256i sl = dup_lo16(sc), sh = dup_hi16(sc);
         for (int r = 0; r < nr; r++)
-            S[r] = _mm256_add_epi32(S[r], _mm256_add_epi32(_mm256_madd_epi16(lo[r], sl), _mm256_madd_epi16(hi[r], sh)));
+            S[r] = _mm256_add_epi32(S[r], _mm256_add_epi32(scaled(lo[r], sc, 0), scaled(hi[r], sc, 1)));
     }
     for (int r = 0; r < nr; r++) {
         __m256i M = _mm256_setzero_si256();
@@ -519,16 +536,15 @@ x8_q6_k_block(const uint8_t* g, const int8_t* const* a, const float* da, const i
                     const __m256i vh = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4),
                                                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * q + 4), low2), 4));
                     for (int r = 0; r < nr; r++) {
-                        lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(vl, bcast4(a[r] + 128 * h + 32 * q + 4 * tt)));
-                        hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(vh, bcast4(a[r] + 128 * h + 64 + 32 * q + 4 * tt)));
+                        lo[r] = chunk_dot(lo[r], vl, bcast4(a[r] + 128 * h + 32 * q + 4 * tt));
+                        hi[r] = chunk_dot(hi[r], vh, bcast4(a[r] + 128 * h + 64 + 32 * q + 4 * tt));
                     }
                 }
                 const int s = 8 * h + 2 * q + (t >= 4); /* the low nibbles' sub-block; the high ones' is s + 4 */
                 const __m256i pl = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(g + 16 + 16 * (s / 2))));
                 const __m256i ph = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(g + 16 + 16 * (s / 2 + 2))));
-                const __m256i sl = s % 2 ? dup_hi16(pl) : dup_lo16(pl), sh = s % 2 ? dup_hi16(ph) : dup_lo16(ph);
                 for (int r = 0; r < nr; r++)
-                    S[r] = _mm256_add_epi32(S[r], _mm256_add_epi32(_mm256_madd_epi16(lo[r], sl), _mm256_madd_epi16(hi[r], sh)));
+                    S[r] = _mm256_add_epi32(S[r], _mm256_add_epi32(scaled(lo[r], pl, s % 2), scaled(hi[r], ph, s % 2)));
             }
     for (int r = 0; r < nr; r++) {
         __m256i C = _mm256_setzero_si256();
