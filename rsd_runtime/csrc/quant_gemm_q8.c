@@ -16,7 +16,7 @@
    Weights: JB = 4 weight rows at a time, each block unpacked once a call into unsigned byte codes and int16
    scales in L1, then multiplied with every input row (maddubs + madd, or AVX512-VNNI's dpwssd / dpbusd); a
    one-row call decodes the K-quant blocks in registers instead. The rows two groups ahead are prefetched.
-   Q4_K and Q6_K weights repacked 8 rows at a time (q8_gemm_x8, below) take a faster path to the same bits. */
+   Q4_K, Q6_K and Q8_0 weights repacked 8 rows at a time (q8_gemm_x8, below) take a faster path to the same bits. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -431,7 +431,7 @@ int q8_gemm(const float* x, const uint8_t* w, float* y, int64_t R, int64_t K, in
     return 0;
 }
 
-/* ---- K-quants repacked 8 weight rows at a time ("x8"), llama.cpp's repacking idea: the same codes, scales
+/* ---- Weights repacked 8 rows at a time ("x8"), llama.cpp's repacking idea: the same codes, scales
    and float steps, laid out so that one 32-byte vector holds 4 consecutive codes of each of 8 weight rows.
    The input row's 4 matching codes are broadcast, so each int32 lane sums one weight row: no horizontal sums,
    the float step runs on 8 columns at once, and the integers and float order are the unpacked path's (same
@@ -441,9 +441,11 @@ int q8_gemm(const float* x, const uint8_t* w, float* y, int64_t R, int64_t K, in
        high nibbles 64c + 32 + 4t + k (sub-block 2c + 1).
      Q6_K (1680 bytes): fp16 d[8], i8 sc pairs [8][8][2], ql [32][8][4], qh [16][8][4]: ql vector 16h + 8q + t
        holds ql[64h + 32q + 4t ..] (low nibbles elements 128h + 32q + 4t + k, high ones 64 further), qh vector
-       8h + t holds qh[32h + 4t ..] (bits 2g of element 128h + 32g + 4t + k). */
+       8h + t holds qh[32h + 4t ..] (bits 2g of element 128h + 32g + 4t + k).
+     Q8_0 (272 bytes, a 32-block): fp16 d[8], qs [8][8][4]: vector t holds each row's codes 4t .. 4t + 3. */
 #define X8_Q4_K 1184
 #define X8_Q6_K 1680
+#define X8_Q8_0 272
 #define X8_PREFETCH 8192 /* bytes ahead in the weight stream, into L2 (measured: T0, NTA and 1-32 kB lose) */
 #define XB 4 /* input rows multiplied with each decoded weight vector */
 
@@ -464,11 +466,13 @@ static inline __m256i pair16(int16_t lo, int16_t hi) { return _mm256_set1_epi32(
    in int32 (no int16 pairs to widen); without, maddubs pairs add up in int16 (bounds at the call sites). Either
    way the same integers. */
 #if defined(Q8_VNNI)
+#define DOT4(acc, u, s) _mm256_dpbusd_epi32(acc, u, s) /* 4 products of unsigned and signed bytes into int32 lanes */
 static inline __m256i chunk_dot(__m256i acc, __m256i codes, __m256i a4) { return _mm256_dpbusd_epi32(acc, codes, a4); }
 static inline __m256i scaled(__m256i sum, __m256i pairs, int second) {
     return _mm256_mullo_epi32(sum, second ? _mm256_srai_epi32(pairs, 16) : _mm256_srai_epi32(_mm256_slli_epi32(pairs, 16), 16));
 }
 #else
+#define DOT4(acc, u, s) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)))
 static inline __m256i chunk_dot(__m256i acc, __m256i codes, __m256i a4) {
     return _mm256_add_epi16(acc, _mm256_maddubs_epi16(codes, a4));
 }
@@ -557,10 +561,26 @@ x8_q6_k_block(const uint8_t* g, const int8_t* const* a, const float* da, const i
     }
 }
 
-#define X8_COLS(T, BYTES)                                                                                        \
+
+static inline __attribute__((always_inline)) void
+x8_q8_0_block(const uint8_t* g, const int8_t* const* a, const float* da, const int16_t* const* sums, __m256* acc, const int nr) {
+    (void)sums;
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)g));
+    __m256i S[XB];
+    for (int r = 0; r < nr; r++) S[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; t++) { /* |w| . (a with w's sign): unsigned times signed, as row_q8_0 */
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(g + 16 + 32 * t)), u = _mm256_abs_epi8(v);
+        for (int r = 0; r < nr; r++) S[r] = DOT4(S[r], u, _mm256_sign_epi8(bcast4(a[r] + 4 * t), v));
+    }
+    for (int r = 0; r < nr; r++)
+        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_mul_ps(dw, _mm256_set1_ps(da[r])), _mm256_cvtepi32_ps(S[r])));
+}
+
+#define X8_COLS(T, BYTES, B, SB)                                                                                        \
     static inline __attribute__((always_inline)) void x8_##T##_rows(const int8_t* xq, const float* xd,           \
         const int16_t* xs, const uint8_t* w, float* y, int64_t r0, int nr, int64_t K, int64_t N, int64_t j) {    \
-        const int64_t nb = K / QK;                                                                              \
+        const int64_t nb = K / B;                                                                               \
         const uint8_t* g = w + (j / 8) * nb * BYTES;                                                            \
         __m256 acc[XB];                                                                                         \
         for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();                                              \
@@ -569,8 +589,8 @@ x8_q6_k_block(const uint8_t* g, const int8_t* const* a, const float* da, const i
             const int16_t* s[XB];                                                                               \
             float d[XB];                                                                                        \
             for (int r = 0; r < nr; r++) {                                                                      \
-                a[r] = xq + (r0 + r) * K + b * QK;                                                              \
-                s[r] = xs + ((r0 + r) * nb + b) * 16;                                                           \
+                a[r] = xq + (r0 + r) * K + b * B;                                                               \
+                s[r] = xs + ((r0 + r) * nb + b) * SB;                                                           \
                 d[r] = xd[(r0 + r) * nb + b];                                                                   \
             }                                                                                                   \
             if (r0 == 0) /* the stream X8_PREFETCH bytes ahead (alone, the hardware prefetcher falls 3x behind) */    \
@@ -591,11 +611,12 @@ x8_q6_k_block(const uint8_t* g, const int8_t* const* a, const float* da, const i
             }                                                                                                   \
         }                                                                                                       \
     }
-X8_COLS(q4_k, X8_Q4_K) X8_COLS(q6_k, X8_Q6_K)
+X8_COLS(q4_k, X8_Q4_K, QK, 16) X8_COLS(q6_k, X8_Q6_K, QK, 16) X8_COLS(q8_0, X8_Q8_0, 32, 1)
 
 /* y[R, N] = x[R, K] @ W^T for W repacked (quant_q8.repack_x8; N a multiple of 8): as q8_gemm, the same bits. */
 int q8_gemm_x8(const float* x, const uint8_t* w, float* y, int64_t R, int64_t K, int64_t N, int64_t type, int64_t threads) {
-    if ((type != Q4_K && type != Q6_K) || K % QK || N % 8 || R < 1 || R > MAX_ROWS) return -1;
+    if ((type != Q4_K && type != Q6_K && type != Q8_0) || K % block_elems(type) || N % 8 || R < 1 || R > MAX_ROWS)
+        return -1;
     int8_t* xq;
     float* xd;
     int16_t* xs;
@@ -605,7 +626,8 @@ int q8_gemm_x8(const float* x, const uint8_t* w, float* y, int64_t R, int64_t K,
         const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads(), G = N / 8;
         const int64_t n0 = 8 * (G * t / nt), n1 = 8 * (G * (t + 1) / nt);
         if (type == Q4_K) x8_cols_q4_k(xq, xd, xs, w, y, R, K, N, n0, n1);
-        else x8_cols_q6_k(xq, xd, xs, w, y, R, K, N, n0, n1);
+        else if (type == Q6_K) x8_cols_q6_k(xq, xd, xs, w, y, R, K, N, n0, n1);
+        else x8_cols_q8_0(xq, xd, xs, w, y, R, K, N, n0, n1);
     }
     return 0;
 }
