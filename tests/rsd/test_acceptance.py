@@ -287,3 +287,14 @@ def test_accepted_length_law_greedy(shape):
         ((emitted, p),) = step_law(tree, target_probs, RULES["greedy"]).items()
         got = accepted_length_law(tree, target_probs, RULES["greedy"])
         assert got[len(emitted) - 1] == p == 1.0 and sum(got) == 1.0
+
+
+def test_accepted_length_law_no_rule_wins_on_every_tree():
+    """docs/algorithm.md's chain: q/p = 0.5 at both drafts and no residual mass at the first draft's node. RRS
+    accepts 0.75 drafts on average, block verification (optimal over the chain's law) 0.5 on this tree."""
+    p = torch.tensor([[0.6, 0.2, 0.2], [0.2, 0.6, 0.2], [1 / 3] * 3], dtype=torch.float64)
+    q = torch.tensor([[0.3, 0.35, 0.35], [0.35, 0.3, 0.35], [1 / 3] * 3], dtype=torch.float64)
+    chain = toy.DraftTree(torch.tensor([2, 0, 1]), torch.tensor([-1, 0, 1]), p)
+    assert accepted_length_law(chain, q, RULES["rrs"]) == pytest.approx([0.5, 0.25, 0.25], abs=TOL)
+    for rule in ("block", "traversal"):
+        assert accepted_length_law(chain, q, RULES[rule]) == pytest.approx([0.75, 0.0, 0.25], abs=TOL)
