@@ -12,7 +12,9 @@ node law returns
 The walk (`verify`) accepts the first x_k with u_k < a_k (u_k ~ U(0,1), fresh: the verifier stream's
 (Draw.ACCEPT, node, k), rsd.random) and descends into it; at a node without children it emits a bonus
 token from q there. `step_law` computes the exact
-law of what one step emits from the same node laws, for the enumeration proofs in tests/.
+law of what one step emits from the same node laws, for the enumeration proofs in tests/, and
+`accepted_length_law` the exact law of how many drafts it accepts on a given tree, in vector ops that
+scale to a real vocabulary (to compare rules on the same real trees).
 
     rule                    drafts it is exact for                     paper
     rrs                     siblings drawn WITHOUT replacement         RSD (recursive rejection sampling)
@@ -61,7 +63,7 @@ from rsd.random import Draw, StepRandom
 from rsd.sampling import check_probs, sample
 from rsd.spectr import kseq, merged_children
 from rsd.traversal import NodeLaws, Test, block_tests, traversal_tests, uniform_column
-from rsd.tree import DraftTree, path_to
+from rsd.tree import DraftTree, node_depths, path_to
 
 NodeLaw = Callable[[Tensor, Tensor, Tensor], tuple[list[float], Tensor]]  # (q, p, child_ids) -> (a, residual)
 ChildrenOf = Callable[[DraftTree, int], Tensor]  # (tree, node) -> child_idx [K]
@@ -249,37 +251,54 @@ def _column(tree: DraftTree, node: int) -> tuple[int, Tensor]:
     return parent, torch.tensor([rank], device=tree.parent_idx.device)
 
 
-def step_law(tree: DraftTree, target_probs: Tensor, rule: Rule) -> dict[tuple[int, ...], float]:
-    """Exact law of the tokens one `verify` step emits: {emitted token ids: probability}."""
+def _endings(tree: DraftTree, target_probs: Tensor, rule: Rule) -> Iterator[tuple[int, float, Tensor]]:
+    """Where one `verify` step can end, exactly: (node, probability, law [V] of the next token), one entry per
+    way of ending (a node may appear more than once). The step accepts the path root -> node; the
+    probabilities sum to 1. Vector ops over V per node, nothing enumerated over V."""
     _check_shapes(tree, target_probs)
-    law: dict[tuple[int, ...], float] = {}
-
-    def emit(prefix: tuple[int, ...], mass: float, probs: Tensor) -> None:
-        for y in probs.nonzero().flatten().tolist():
-            law[(*prefix, y)] = law.get((*prefix, y), 0.0) + mass * float(probs[y])
-
     if rule.tests is not None:  # the tests in order: reach test j with the mass that failed all before it
         mass = 1.0
         for node, a, probs in rule.tests(tree, _laws(tree, target_probs, rule)):
             if a > 0:
-                emit(tuple(tree.token_ids[path_to(tree.parent_idx, node)].tolist()), mass * min(a, 1.0), probs)
+                yield node, mass * min(a, 1.0), probs
             mass *= 1 - min(a, 1.0)
             if mass <= 0:
-                break
-        return law
+                return
+        return
 
-    def walk(node: int, prefix: tuple[int, ...], mass: float) -> None:
+    def walk(node: int, mass: float) -> Iterator[tuple[int, float, Tensor]]:
         child_idx = rule.children_of(tree, node)  # [K]
         q, p = _node_laws(tree, target_probs, node, child_idx, rule)
         if child_idx.numel() == 0:
-            return emit(prefix, mass, q)
+            yield node, mass, q
+            return
         accept_probs, residual = rule.node_law(q, p, tree.token_ids[child_idx])
         for k, a in enumerate(accept_probs):
             if a > 0:
-                walk(int(child_idx[k]), (*prefix, int(tree.token_ids[child_idx[k]])), mass * a)
+                yield from walk(int(child_idx[k]), mass * a)
             mass *= 1 - a
         if mass > 0:
-            emit(prefix, mass, residual)
+            yield node, mass, residual
 
-    walk(0, (), 1.0)
+    yield from walk(0, 1.0)
+
+
+def step_law(tree: DraftTree, target_probs: Tensor, rule: Rule) -> dict[tuple[int, ...], float]:
+    """Exact law of the tokens one `verify` step emits: {emitted token ids: probability}."""
+    law: dict[tuple[int, ...], float] = {}
+    for node, mass, probs in _endings(tree, target_probs, rule):
+        prefix = tuple(tree.token_ids[path_to(tree.parent_idx, node)].tolist())
+        for y in probs.nonzero().flatten().tolist():
+            law[(*prefix, y)] = law.get((*prefix, y), 0.0) + mass * float(probs[y])
+    return law
+
+
+def accepted_length_law(tree: DraftTree, target_probs: Tensor, rule: Rule) -> list[float]:
+    """Exact law of the number of draft tokens one `verify` step accepts on this tree, over the rule's own
+    draws: [P(accepted = d) for d = 0..depth of the tree]. The law of step_law's emitted length minus one
+    (tests/rsd/test_acceptance.py checks it to 1e-9), without enumerating tokens: it scales to any V."""
+    depth = node_depths(tree.parent_idx).tolist()
+    law = [0.0] * (max(depth) + 1)
+    for node, mass, _ in _endings(tree, target_probs, rule):
+        law[depth[node]] += mass
     return law

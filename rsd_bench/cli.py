@@ -47,6 +47,10 @@ BENCHMARKS = {
     "exactness": ("rsd_bench.exactness", "each method's exact one-step law against the target's, by enumeration"),
     "architectures": ("rsd_bench.architectures", "each architecture of the test matrix: exact or refused"),
     "rule_gap": ("rsd_bench.rule_gap", "each verification rule against the optimal acceptance (LP), toy laws"),
+    "rule_replay": (
+        "rsd_bench.rule_replay",
+        "each verification rule's exact expected accepted drafts on the same recorded trees of the real pair",
+    ),
     "spectr_rsd_toy": ("rsd_bench.spectr_rsd_toy", "SpecTr against RSD-S on toy pairs: expected tokens per call"),
     "pair_divergence": ("rsd_bench.pair_divergence", "where a real pair sits on the toy map: top-1 mass, TV"),
     "index": ("rsd_bench.index", "benchmarks/results/INDEX.md: the current run of each benchmark per machine"),

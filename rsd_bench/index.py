@@ -177,6 +177,18 @@ def _rule_gap(r: dict) -> str:
     )
 
 
+def _rule_replay(r: dict) -> str:
+    top = max(row["temperature"] for row in r["rows"])
+    gains = [row for row in r["rows"] if row["temperature"] == top and row["verification"] != "token"]
+    best = {}
+    for row in gains:  # each method's best other rule
+        if row["method"] not in best or row["vs_token"] > best[row["method"]]["vs_token"]:
+            best[row["method"]] = row
+    return f"T = {top:g}, best rule vs token on the same trees: " + ", ".join(
+        f"{m} {row['verification']} {row['vs_token_pct']:+.1f} %" for m, row in best.items()
+    )
+
+
 HEADLINES: dict[str, Callable[[dict], str]] = {
     "methods": _methods,
     "disaggregated": _disaggregated,
@@ -191,6 +203,7 @@ HEADLINES: dict[str, Callable[[dict], str]] = {
     "loadtest": _loadtest,
     "gpu_check": _gpu_check,
     "rule_gap": _rule_gap,
+    "rule_replay": _rule_replay,
 }
 
 

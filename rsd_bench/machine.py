@@ -125,9 +125,10 @@ def _cpu_flags() -> list[str]:
     return [f for f in _NOTABLE_FLAGS if f in flags]
 
 
-def write_result(out_dir: Path, name: str, result: dict, markdown: str) -> None:
-    """<out_dir>/<name>.json and .md, and the markdown on stdout: how the single-file benchmarks end."""
+def write_result(out_dir: Path, name: str, result: dict, markdown: str, echo: bool = True) -> None:
+    """<out_dir>/<name>.json and .md, and the markdown on stdout (echo): how the single-file benchmarks end."""
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     (out_dir / f"{name}.md").write_text(markdown)
-    print(markdown)
+    if echo:
+        print(markdown)

@@ -202,6 +202,17 @@ class Verifier:
         guide: Guide | None = None,
     ) -> Verdict:
         """guide: structured output; each node's target law is masked by the state after its path."""
+        target_probs = self.target_probs(committed, tree, params, guide)  # [N, V]
+        verdict = verify(tree.to(target_probs.device), target_probs, rule, rng)
+        offset = self._offset(committed)
+        commit_path(self.runner, committed, {n: n + offset for n in range(tree.num_nodes)}, verdict.accepted_idx)
+        return verdict
+
+    def target_probs(
+        self, committed: list[int], tree: DraftTree, params: SamplingParams, guide: Guide | None = None
+    ) -> Tensor:
+        """The target's law at every tree node [N, V] (float32 at least, on the target's device): one forward
+        over the tree, then the same transforms as the draft's (masks, penalties along each node's path)."""
         t = time.perf_counter()
         logits = forward_with_catch_up(self.runner, committed, tree.token_ids, tree.parent_idx)  # [N, V]
         self.last_forward_s = time.perf_counter() - t
@@ -209,11 +220,7 @@ class Verifier:
             logits = mask_logits(logits, guide.tree_masks(committed, tree.token_ids, tree.parent_idx, logits.shape[-1]))
         nodes = torch.arange(tree.num_nodes)
         counts = self._counts(params, committed, tree.token_ids, tree.parent_idx, nodes, logits)  # per node's path
-        target_probs = logits_to_probs(logits, params, counts)  # [N, V] float32 at least, on the target's device
-        verdict = verify(tree.to(target_probs.device), target_probs, rule, rng)
-        offset = self._offset(committed)
-        commit_path(self.runner, committed, {n: n + offset for n in range(tree.num_nodes)}, verdict.accepted_idx)
-        return verdict
+        return logits_to_probs(logits, params, counts)
 
     def _counts(self, params, committed, token_ids, parent_idx, node_idx, logits) -> TokenCounts | None:
         return counts_at(params.penalties, committed, self.output_start, token_ids, parent_idx, node_idx, logits.device)

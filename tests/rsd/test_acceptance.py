@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from rsd.acceptance import RULES, rrs, step_law, verify
+from rsd.acceptance import RULES, accepted_length_law, rrs, step_law, verify
 from rsd.drafting import DraftMode
 from rsd.random import StepRandom, Stream
 from tests.fixtures import toy
@@ -243,3 +243,58 @@ def test_verify_needs_its_draws_matching_shapes_and_one_device():
         verify(tree, target_probs[:, :3], RULES["rrs"], RNG)
     with pytest.raises(ValueError, match="one device"):  # meta: a second device on a CPU-only machine
         verify(tree, target_probs.to("meta"), RULES["rrs"], RNG)
+
+
+# ---- the accepted length's law, scalable: the same as step_law's -------------------------------
+
+
+def _exact_rules(method: str) -> list[str]:
+    """Every rule exact on `method`'s trees (rsd.methods pairs them): its own, the traversal variant for its
+    siblings, block verification on chains."""
+    iid = method.startswith(("specinfer", "spectr"))
+    return [METHODS[method][1], "traversal_with_replacement" if iid else "traversal"] + (
+        ["block"] if method.startswith("sd_chain") else []
+    )
+
+
+MAX_TREES = 48  # per family and case, spread over its enumeration (i.i.d. families hold hundreds of trees)
+
+
+@pytest.mark.parametrize("case", ["random", "zero_prob_tokens", "draft_support_below_branching"])
+@pytest.mark.parametrize("method", [m for m in METHODS if m != "rsd_s_w3_l2"])  # w3: ~10 s, nothing new here
+def test_accepted_length_law_is_step_laws_emitted_length(method, case):
+    """accepted_length_law (vector ops, any V) against step_law's enumeration of emitted sequences: on the
+    method's trees and every rule exact on them, P(accepted = d) agrees to 1e-9 and sums to 1."""
+    draft, target = CASES[case]()
+    trees = METHODS[method][0](draft)
+    for tree, _ in trees[:: -(-len(trees) // MAX_TREES)]:
+        target_probs = toy.target_probs_for(tree, target)
+        for rule in _exact_rules(method):
+            got = accepted_length_law(tree, target_probs, RULES[rule])
+            want = [0.0] * len(got)
+            for emitted, p in step_law(tree, target_probs, RULES[rule]).items():
+                want[len(emitted) - 1] += p
+            assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < TOL, (rule, tree)
+            assert abs(sum(got) - 1) < TOL
+
+
+@pytest.mark.parametrize("shape", [[1, 1], [2, 2], [3, 1]])
+def test_accepted_length_law_greedy(shape):
+    """Greedy matching on greedy trees: one length, with probability 1, as step_law says."""
+    draft, target = toy.random_table(12, V), toy.greedy_table(toy.random_table(13, V))
+    for tree, _ in toy.branching_tree_law(draft, V, shape, GREEDY):
+        target_probs = toy.target_probs_for(tree, target)
+        ((emitted, p),) = step_law(tree, target_probs, RULES["greedy"]).items()
+        got = accepted_length_law(tree, target_probs, RULES["greedy"])
+        assert got[len(emitted) - 1] == p == 1.0 and sum(got) == 1.0
+
+
+def test_accepted_length_law_no_rule_wins_on_every_tree():
+    """docs/algorithm.md's chain: q/p = 0.5 at both drafts and no residual mass at the first draft's node. RRS
+    accepts 0.75 drafts on average, block verification (optimal over the chain's law) 0.5 on this tree."""
+    p = torch.tensor([[0.6, 0.2, 0.2], [0.2, 0.6, 0.2], [1 / 3] * 3], dtype=torch.float64)
+    q = torch.tensor([[0.3, 0.35, 0.35], [0.35, 0.3, 0.35], [1 / 3] * 3], dtype=torch.float64)
+    chain = toy.DraftTree(torch.tensor([2, 0, 1]), torch.tensor([-1, 0, 1]), p)
+    assert accepted_length_law(chain, q, RULES["rrs"]) == pytest.approx([0.5, 0.25, 0.25], abs=TOL)
+    for rule in ("block", "traversal"):
+        assert accepted_length_law(chain, q, RULES[rule]) == pytest.approx([0.75, 0.0, 0.25], abs=TOL)
