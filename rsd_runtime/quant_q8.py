@@ -90,10 +90,10 @@ def check_numeric(numeric: str) -> str:
     return numeric.replace("-", "_")
 
 
-# ---- Q4_K, Q6_K and Q8_0 weights repacked 8 rows at a time (csrc/quant_gemm_q8.c, "x8"): within each block, every
+# ---- Weights (Q4_K, Q6_K, Q8_0, Q5_0) repacked 8 rows at a time (csrc/quant_gemm_q8.c, "x8"): within each block, every
 # 4 consecutive code bytes of 8 weight rows side by side, the scales unpacked beside them. Only the layout
 # changes (q8_gemm_x8 computes the same bits); unpack_x8 gives the file's bytes back exactly.
-X8_BYTES = {12: 1184, 14: 1680, 8: 272}  # bytes a block of 8 rows: Q4_K (8 x 144, scales unpacked: + 32), Q6_K, Q8_0
+X8_BYTES = {12: 1184, 14: 1680, 8: 272, 6: 176}  # bytes a block of 8 rows (Q4_K: 8 x 144 + 32, scales unpacked)
 
 
 def _q4_k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -122,12 +122,14 @@ def _back(v: np.ndarray, width: int) -> np.ndarray:
 
 
 def repack_x8(blocks: np.ndarray, qtype: int, k: int) -> np.ndarray:
-    """File blocks uint8 [N, row_bytes] of a Q4_K, Q6_K or Q8_0 weight (N a multiple of 8) -> the x8 layout, uint8
+    """File blocks uint8 [N, row_bytes] of a Q4_K, Q6_K, Q8_0 or Q5_0 weight (N a multiple of 8) -> the x8 layout, uint8
     [N / 8 * blocks a row * X8_BYTES] (csrc/quant_gemm_q8.c says what lies where)."""
     n, nb = blocks.shape[0], k // quant.KERNEL_TYPES[qtype][1]
     b = blocks.reshape(n // 8, 8, nb, -1)
     if qtype == 8:  # Q8_0: d[8], qs [8][8][4]
         parts = [_across(b[..., 0:2], 2), _across(b[..., 2:34], 4)]
+    elif qtype == 6:  # Q5_0: d[8], qs [4][8][4], qh [8][4]
+        parts = [_across(b[..., 0:2], 2), _across(b[..., 6:22], 4), _across(b[..., 2:6], 4)]
     elif qtype == 12:  # d[8], dmin[8], sc pairs [4][8][2], m pairs [4][8][2], qs [32][8][4]
         sc, m = _q4_k_scales(b[..., 4:16])
         parts = [_across(b[..., 0:4], 2), _across(sc, 2), _across(m, 2), _across(b[..., 16:144], 4)]
@@ -142,6 +144,8 @@ def unpack_x8(packed: np.ndarray, qtype: int, k: int, n: int) -> np.ndarray:
     x = packed.reshape(n // 8, k // quant.KERNEL_TYPES[qtype][1], X8_BYTES[qtype])
     if qtype == 8:
         parts = [_back(x[..., 0:16], 2), _back(x[..., 16:], 4)]
+    elif qtype == 6:
+        parts = [_back(x[..., 0:16], 2), _back(x[..., 144:], 4), _back(x[..., 16:144], 4)]
     elif qtype == 12:
         sc, m = _back(x[..., 32:96], 2), _back(x[..., 96:160], 2)
         parts = [_back(x[..., 0:32], 2), _q4_k_scale_bytes(sc, m), _back(x[..., 160:], 4)]
@@ -152,7 +156,7 @@ def unpack_x8(packed: np.ndarray, qtype: int, k: int, n: int) -> np.ndarray:
 
 class Q8ActivationLinear(quant.QuantLinear):
     """QuantLinear computed with int8 activations (module docstring): the same blocks, another function.
-    Q4_K, Q6_K and Q8_0 weights with a multiple of 8 rows are kept repacked (buffer `blocks_x8`, no `blocks`:
+    Weights with a multiple of 8 rows are kept repacked (buffer `blocks_x8`, no `blocks`:
     file_blocks() rebuilds the file's bytes). While `exact` is set (exact_layers) it computes as QuantLinear does."""
 
     numeric = "q8_activations"

@@ -16,7 +16,7 @@
    Weights: JB = 4 weight rows at a time, each block unpacked once a call into unsigned byte codes and int16
    scales in L1, then multiplied with every input row (maddubs + madd, or AVX512-VNNI's dpwssd / dpbusd); a
    one-row call decodes the K-quant blocks in registers instead. The rows two groups ahead are prefetched.
-   Q4_K, Q6_K and Q8_0 weights repacked 8 rows at a time (q8_gemm_x8, below) take a faster path to the same bits. */
+   Weights repacked 8 rows at a time (q8_gemm_x8, below) take a faster path to the same bits. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -442,10 +442,13 @@ int q8_gemm(const float* x, const uint8_t* w, float* y, int64_t R, int64_t K, in
      Q6_K (1680 bytes): fp16 d[8], i8 sc pairs [8][8][2], ql [32][8][4], qh [16][8][4]: ql vector 16h + 8q + t
        holds ql[64h + 32q + 4t ..] (low nibbles elements 128h + 32q + 4t + k, high ones 64 further), qh vector
        8h + t holds qh[32h + 4t ..] (bits 2g of element 128h + 32g + 4t + k).
-     Q8_0 (272 bytes, a 32-block): fp16 d[8], qs [8][8][4]: vector t holds each row's codes 4t .. 4t + 3. */
+     Q8_0 (272 bytes, a 32-block): fp16 d[8], qs [8][8][4]: vector t holds each row's codes 4t .. 4t + 3.
+     Q5_0 (176 bytes, a 32-block): fp16 d[8], qs [4][8][4] (vector t: each row's qs[4t ..], low nibbles elements
+       4t + k, high ones 16 + 4t + k), qh [8][4] (each row's 32 high bits). */
 #define X8_Q4_K 1184
 #define X8_Q6_K 1680
 #define X8_Q8_0 272
+#define X8_Q5_0 176
 #define X8_PREFETCH 8192 /* bytes ahead in the weight stream, into L2 (measured: T0, NTA and 1-32 kB lose) */
 #define XB 4 /* input rows multiplied with each decoded weight vector */
 
@@ -467,12 +470,14 @@ static inline __m256i pair16(int16_t lo, int16_t hi) { return _mm256_set1_epi32(
    way the same integers. */
 #if defined(Q8_VNNI)
 #define DOT4(acc, u, s) _mm256_dpbusd_epi32(acc, u, s) /* 4 products of unsigned and signed bytes into int32 lanes */
+static inline __m256i widen(__m256i sum) { return sum; } /* chunk_dot's sum as int32 lanes */
 static inline __m256i chunk_dot(__m256i acc, __m256i codes, __m256i a4) { return _mm256_dpbusd_epi32(acc, codes, a4); }
 static inline __m256i scaled(__m256i sum, __m256i pairs, int second) {
     return _mm256_mullo_epi32(sum, second ? _mm256_srai_epi32(pairs, 16) : _mm256_srai_epi32(_mm256_slli_epi32(pairs, 16), 16));
 }
 #else
 #define DOT4(acc, u, s) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)))
+static inline __m256i widen(__m256i sum) { return _mm256_madd_epi16(sum, _mm256_set1_epi16(1)); }
 static inline __m256i chunk_dot(__m256i acc, __m256i codes, __m256i a4) {
     return _mm256_add_epi16(acc, _mm256_maddubs_epi16(codes, a4));
 }
@@ -577,6 +582,38 @@ x8_q8_0_block(const uint8_t* g, const int8_t* const* a, const float* da, const i
         acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_mul_ps(dw, _mm256_set1_ps(da[r])), _mm256_cvtepi32_ps(S[r])));
 }
 
+/* Bit 4 of the codes 4t + k (k < 4) of a Q5_0 block, for 8 rows: each row's qh byte holding them spread over its
+   4 bytes, then bit (4t + k) % 8 of byte k tested. `byte`: that byte's index in the row's 4 qh bytes. */
+static inline __m256i q5_high(__m256i qh, int byte, int shift) {
+    const __m256i lane = _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12,  /* each 32-bit lane's */
+                                          0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12); /* first byte */
+    const __m256i spread = _mm256_shuffle_epi8(qh, _mm256_add_epi8(lane, _mm256_set1_epi8((char)byte)));
+    const __m256i bit = _mm256_set1_epi32((int32_t)(0x08040201u << shift));
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+}
+
+static inline __attribute__((always_inline)) void
+x8_q5_0_block(const uint8_t* g, const int8_t* const* a, const float* da, const int16_t* const* sums, __m256* acc, const int nr) {
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)g));
+    const __m256i qh = _mm256_loadu_si256((const __m256i*)(g + 144)), low = _mm256_set1_epi8(15);
+    __m256i lo[XB], hi[XB];
+    for (int r = 0; r < nr; r++) lo[r] = hi[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int t = 0; t < 4; t++) { /* codes 0..31: each maddubs pair <= 2 * 31 * 127, 4 of them fit int16 */
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(g + 16 + 32 * t));
+        const __m256i vl = _mm256_or_si256(_mm256_and_si256(v, low), q5_high(qh, t / 2, 4 * (t % 2)));
+        const __m256i vh = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), q5_high(qh, 2 + t / 2, 4 * (t % 2)));
+        for (int r = 0; r < nr; r++) {
+            lo[r] = chunk_dot(lo[r], vl, bcast4(a[r] + 4 * t));
+            hi[r] = chunk_dot(hi[r], vh, bcast4(a[r] + 16 + 4 * t));
+        }
+    }
+    for (int r = 0; r < nr; r++) { /* values q5 - 16: 16 x the block's sum of input codes off */
+        const __m256i S = _mm256_sub_epi32(_mm256_add_epi32(widen(lo[r]), widen(hi[r])), _mm256_set1_epi32(16 * sums[r][0]));
+        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_mul_ps(dw, _mm256_set1_ps(da[r])), _mm256_cvtepi32_ps(S)));
+    }
+}
+
 #define X8_COLS(T, BYTES, B, SB)                                                                                        \
     static inline __attribute__((always_inline)) void x8_##T##_rows(const int8_t* xq, const float* xd,           \
         const int16_t* xs, const uint8_t* w, float* y, int64_t r0, int nr, int64_t K, int64_t N, int64_t j) {    \
@@ -612,10 +649,11 @@ x8_q8_0_block(const uint8_t* g, const int8_t* const* a, const float* da, const i
         }                                                                                                       \
     }
 X8_COLS(q4_k, X8_Q4_K, QK, 16) X8_COLS(q6_k, X8_Q6_K, QK, 16) X8_COLS(q8_0, X8_Q8_0, 32, 1)
+X8_COLS(q5_0, X8_Q5_0, 32, 1)
 
 /* y[R, N] = x[R, K] @ W^T for W repacked (quant_q8.repack_x8; N a multiple of 8): as q8_gemm, the same bits. */
 int q8_gemm_x8(const float* x, const uint8_t* w, float* y, int64_t R, int64_t K, int64_t N, int64_t type, int64_t threads) {
-    if ((type != Q4_K && type != Q6_K && type != Q8_0) || K % block_elems(type) || N % 8 || R < 1 || R > MAX_ROWS)
+    if (!block_elems(type) || K % block_elems(type) || N % 8 || R < 1 || R > MAX_ROWS)
         return -1;
     int8_t* xq;
     float* xd;
@@ -627,7 +665,8 @@ int q8_gemm_x8(const float* x, const uint8_t* w, float* y, int64_t R, int64_t K,
         const int64_t n0 = 8 * (G * t / nt), n1 = 8 * (G * (t + 1) / nt);
         if (type == Q4_K) x8_cols_q4_k(xq, xd, xs, w, y, R, K, N, n0, n1);
         else if (type == Q6_K) x8_cols_q6_k(xq, xd, xs, w, y, R, K, N, n0, n1);
-        else x8_cols_q8_0(xq, xd, xs, w, y, R, K, N, n0, n1);
+        else if (type == Q8_0) x8_cols_q8_0(xq, xd, xs, w, y, R, K, N, n0, n1);
+        else x8_cols_q5_0(xq, xd, xs, w, y, R, K, N, n0, n1);
     }
     return 0;
 }

@@ -70,7 +70,7 @@ def test_the_reference_reads_the_weights_as_dequantize(type_name):
 
 
 @pytest.mark.parametrize("type_name", TYPES)
-@pytest.mark.parametrize("n", [300, 304])  # 304: repacked (x8: Q4_K, Q6_K, Q8_0)
+@pytest.mark.parametrize("n", [300, 304])  # 304: repacked (x8)
 def test_a_rows_bits_do_not_depend_on_its_batch(build, type_name, n):
     k = k_for(type_name)
     layer = quant_q8.Q8ActivationLinear(random_blocks(type_name, n, k), TYPES[type_name], k, n)
