@@ -9,10 +9,14 @@ views, RMSNorm is torch's fused op, rotary runs on q and k at once, and attentio
 It takes the same inputs as the model's own forward (ModelRunner and the packed drafter call it through
 runner.model_logits) and writes the same cache.
 
-For DRAFTERS only: its logits equal the model's own up to float rounding (and, for an int8 drafter, the
-per-row activation scales that rounding moves), which is harmless where the law drawn from is the law
-sent with the tree; a target must stay exactly as configured. use_lean_forward checks the architecture,
-then compares both forwards on a small tree and refuses (returns the reason) when they disagree.
+For DRAFTERS, and for models in numeric "q8_activations": its logits equal the model's own up to float
+rounding (and, with int8 activations, the per-row activation scales that rounding moves), which is harmless
+where the law drawn from is the law sent with the tree, and is part of the definition of the q8 mode (a
+target's law there is this runtime's computation of the file, the same in the verifier and the target alone:
+load_model gives every such model this forward). A target in the exact mode stays on its own forward.
+use_lean_forward checks the architecture, then compares both forwards on a small tree and refuses (returns
+the reason) when they disagree; each forward's rows are their own (row_attention, per-row kernels), so a tree
+row equals the one-token row bit for bit either way.
 
 Where it lives: use_lean_forward sets the model's plain attribute `rsd_lean` (a LeanDecoder, not an
 nn.Module, so model.modules() and model.parameters() stay the model's own: quantisation, pruning and the
@@ -28,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rsd_runtime import row_attention
+from rsd_runtime import quant_q8, row_attention
 from rsd_runtime.attention import check_model, probe_inputs, relative_logit_error
 from rsd_runtime.kvcache import SequenceKVCache
 from rsd_runtime.linear import Int8Linear, SmallBatchLinear
@@ -171,9 +175,10 @@ class LeanDecoder:
 
 
 def use_lean_forward(model: torch.nn.Module) -> str:
-    """Give a DRAFT model the lean forward (runner.model_logits then calls it) after it is loaded, pruned and
-    quantised; returns "" when applied, else why not (the model keeps its own forward). RSD_LEAN_FORWARD=0
-    in the environment keeps every model on its own forward (an A/B through the services)."""
+    """Give a DRAFT model (or a q8_activations one: module docstring) the lean forward (runner.model_logits then
+    calls it) after it is loaded, pruned and quantised; returns "" when applied, else why not (the model keeps
+    its own forward). RSD_LEAN_FORWARD=0 in the environment keeps every model on its own forward (an A/B
+    through the services; in the q8 mode it also changes the target's function, so set it alike everywhere)."""
     problem = lean_unsupported(model)
     if not problem:
         lean = LeanDecoder(model)
@@ -182,9 +187,9 @@ def use_lean_forward(model: torch.nn.Module) -> str:
             problem = f"its logits differ from the model's own by {err:.1e} (relative; at most {_RELATIVE_TOLERANCE})"
         else:
             model.rsd_lean = lean  # a plain attribute (LeanDecoder is no nn.Module): lean_decoder reads it
-            log.info("lean draft forward on (probe tree: relative logit difference %.1e)", err)
+            log.info("lean forward on (probe tree: relative logit difference %.1e)", err)
             return ""
-    log.info("lean draft forward off: %s", problem)
+    log.info("lean forward off: %s", problem)
     return problem
 
 
@@ -195,11 +200,13 @@ def lean_decoder(model: torch.nn.Module) -> LeanDecoder | None:
 
 @torch.inference_mode()
 def _compare(model: torch.nn.Module, lean: LeanDecoder) -> float:
-    """attention.relative_logit_error of the lean logits against the model's own over the load-time probe's tree."""
+    """attention.relative_logit_error of the lean logits against the model's own over the load-time probe's tree,
+    int8-activation layers computing exactly meanwhile (as the tree probe: the steps compared, not int8 rounding)."""
     plan = check_model(model, 8)
     ids, pos, allowed = probe_inputs(model)
     mask = plan.masks(allowed.to(model.device), pos, pos, model.dtype)
     num_layers = model.config.get_text_config().num_hidden_layers
     rows = torch.arange(ids.shape[0], device=model.device)
-    own = model(input_ids=ids[None], attention_mask=mask, position_ids=pos[None], use_cache=False).logits[0].float()
-    return relative_logit_error(lean(ids[None], pos[None], mask, SequenceKVCache(num_layers, 8), rows), own)
+    with quant_q8.exact_layers(model):
+        own = model(input_ids=ids[None], attention_mask=mask, position_ids=pos[None], use_cache=False).logits[0].float()
+        return relative_logit_error(lean(ids[None], pos[None], mask, SequenceKVCache(num_layers, 8), rows), own)

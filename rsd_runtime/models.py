@@ -114,6 +114,8 @@ def load_model(
         small_batch_rows = max(small_gemm.preferred_rows(model.dtype), 64 if model.dtype == torch.float32 else 0)
     if small_batch_rows:
         use_small_batch_linear(model, small_batch_rows)
+    if numeric == "q8_activations":  # this mode's function is the runtime's own: its decoder is the lean one
+        use_lean_forward(model)
     log.info(
         "loaded %s: %s%s, attention %s, %s on %s, small-batch linear %s",
         path,

@@ -13,6 +13,7 @@ from rsd.methods import Method
 from rsd.sampling import SamplingParams
 from rsd_runtime import quant, quant_q8
 from rsd_runtime.generator import SpeculativeGenerator
+from rsd_runtime.lean import lean_decoder
 from rsd_runtime.models import batch_variance, load_model, prepare_draft
 from rsd_runtime.runner import ModelRunner
 from rsd_tools.tiny import build_tiny_gguf_pair, build_tiny_pair
@@ -98,10 +99,11 @@ def test_a_model_in_this_mode_speculates_exactly(gguf_pair):
     draft_dir, target_dir = gguf_pair
     target = load_model(target_dir, numeric="q8-activations")
     assert target.rsd_numeric == "q8_activations" and batch_variance(target) == ""
+    assert lean_decoder(target) is not None  # the mode's decoder is the lean one (rsd_runtime.lean), rows their own
     layers = [m for m in target.modules() if isinstance(m, quant.QuantLinear)]
     assert layers and all(isinstance(m, quant_q8.Q8ActivationLinear) for m in layers)
     ids = torch.tensor([PROMPTS[2]])
-    with torch.no_grad():
+    with torch.no_grad():  # the model's own forward, layers in int8 activations
         ours, exact = target(ids).logits, load_model(target_dir)(ids).logits
     assert not torch.equal(ours, exact)
     assert (ours - exact).abs().max() < 0.05 * exact.abs().max()  # int8 inputs: near, not equal
