@@ -93,11 +93,18 @@ class _Fused:
                 for p, view in zip(parts, getattr(linear, name).split(self.sizes), strict=True):
                     setattr(p, name, torch.nn.Parameter(view, requires_grad=False))
             fused = SmallBatchLinear(linear, 0)
-        else:
-            fused = None  # e.g. torch's dynamic int8 layers: called one by one
+        else:  # int8 activations: one call where the parts share a type (each column's bits its own); else,
+            # and for torch's dynamic int8 layers, one by one
+            fused = quant_q8.Q8ActivationLinear.fuse(parts) if type(parts[0]) is quant_q8.Q8ActivationLinear else None
         self.fused, self.names = fused, names
 
     def __call__(self, x: Tensor) -> Tensor:  # [n, K] -> [n, Σ out]
+        if isinstance(self.fused, quant_q8.Q8ActivationLinear) and getattr(self.owner, self.first).exact:
+            self.fused.exact = True  # within exact_layers (the load-time probe): the parts' exact computation
+            try:
+                return self.fused(x)
+            finally:
+                self.fused.exact = False
         if isinstance(self.fused, SmallBatchLinear):
             first = getattr(self.owner, self.first)
             self.fused.small_batch_rows = getattr(first, "small_batch_rows", 0)

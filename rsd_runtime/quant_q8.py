@@ -173,6 +173,28 @@ class Q8ActivationLinear(quant.QuantLinear):
     def extra_repr(self) -> str:
         return super().extra_repr() + ", int8 activations" + (", x8" if "blocks_x8" in self._buffers else "")
 
+    @classmethod
+    def fuse(cls, parts: list[Q8ActivationLinear]) -> Q8ActivationLinear | None:
+        """One layer computing repacked `parts` (one type, one input width, all with a bias or none) side by side,
+        or None where they differ. Their blocks are concatenated and each part's buffers become views of its
+        share (no second copy). Each output column is computed as in its own layer: the same bits."""
+        first = parts[0]
+        kind = lambda p: (type(p), "blocks_x8" in p._buffers, getattr(p, "qtype", None), p.in_features, p.bias is None)  # noqa: E731
+        if any(kind(p) != kind(first) for p in parts) or "blocks_x8" not in first._buffers:
+            return None
+        fused = cls.__new__(cls)
+        torch.nn.Module.__init__(fused)
+        fused.qtype, fused.in_features, fused._file = first.qtype, first.in_features, None
+        fused.out_features = sum(p.out_features for p in parts)
+        for name in ("blocks_x8", "bias") if first.bias is not None else ("blocks_x8",):
+            values = [getattr(p, name) for p in parts]
+            fused.register_buffer(name, torch.cat(values))
+            for p, view in zip(parts, getattr(fused, name).split([v.shape[0] for v in values]), strict=True):
+                setattr(p, name, view)
+        if first.bias is None:
+            fused.register_buffer("bias", None)
+        return fused
+
     def file_blocks(self) -> Tensor:
         if "blocks_x8" not in self._buffers:
             return self.blocks
