@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The compose cluster, run for real (issue 32): build the CPU image from this checkout, start redis + verifier +
 # drafter + gateway with docker-compose.yml's `cpu` profile, answer a chat through the OpenAI port and a generation
-# over gRPC, kill the drafter and let compose restart it, answer again, then take everything down.
+# over gRPC, check what the OpenAI API serves beyond it (logprobs, penalties, n = 2, per-response speculative metrics,
+# response_format's clear refusal on the tiny pair's word-level vocabulary), kill the drafter and let compose
+# restart it, answer again, then take everything down.
 #
 #   bash scripts/compose_check.sh            # prints each phase's seconds; exit 0 when every check passed
 #
@@ -153,6 +155,83 @@ print("compose_check: chat:", repr(out.choices[0].message.content), out.usage.co
 assert out.usage.completion_tokens > 0
 PY
 }
+features() {  # what the OpenAI API serves beyond a plain chat: each check prints pass or FAIL, all of them run
+    .venv/bin/python - <<'PY'
+import sys
+
+from openai import BadRequestError, OpenAI
+
+client = OpenAI(base_url="http://127.0.0.1:8100/v1", api_key="none", max_retries=0, timeout=300)
+failed = []
+
+
+def chat(**kwargs):
+    messages = [{"role": "user", "content": "w2 w10 w11"}]
+    return client.chat.completions.create(model="rsd-tiny", messages=messages, max_tokens=8, seed=3, **kwargs)
+
+
+def check(name, run):
+    try:
+        print(f"compose_check: {name}: pass: {run()}", file=sys.stderr)
+    except Exception as e:  # any failure is this check's: reported and counted
+        failed.append(name)
+        print(f"compose_check: {name}: FAIL: {type(e).__name__}: {e}", file=sys.stderr)
+
+
+def logprobs():  # the target's log-probabilities; at T = 0 the emitted token is the top one
+    choice = chat(temperature=0, logprobs=True, top_logprobs=2).choices[0]
+    tokens = choice.logprobs.content
+    assert tokens and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in tokens), tokens
+    assert all(t.token == t.top_logprobs[0].token for t in tokens), tokens
+    top = [(x.token, round(x.logprob, 3)) for x in tokens[0].top_logprobs]
+    return f"{len(tokens)} tokens, the first {tokens[0].token!r} {tokens[0].logprob:.3f}, its top 2 {top}"
+
+
+def penalties():  # T = 0 completions: the tiny target loops on this prompt; a presence or frequency penalty breaks it
+    def repeats(**penalty):
+        out = client.completions.create(model="rsd-tiny", prompt="w2 w10 w11", max_tokens=12, temperature=0, **penalty)
+        words = out.choices[0].text.split()
+        return len(words) - len(set(words))
+
+    plain, presence, frequency = repeats(), repeats(presence_penalty=2.0), repeats(frequency_penalty=2.0)
+    assert presence < plain and frequency < plain, (plain, presence, frequency)
+    return f"words repeated in 12: {plain} plain, {presence} with presence_penalty 2, {frequency} with frequency 2"
+
+
+def n_choices():  # n = 2 from one prompt (its prefill shared)
+    out = chat(temperature=1.0, n=2)
+    assert sorted(c.index for c in out.choices) == [0, 1] and all(c.message.content for c in out.choices), out
+    return f"2 choices {[c.message.content for c in out.choices]}, {out.usage.completion_tokens} completion tokens"
+
+
+def metrics():  # vLLM's per-response metrics.speculative_decoding
+    spec = chat(temperature=0).model_extra["metrics"]["speculative_decoding"]
+    assert spec["num_spec_steps"] > 0, spec
+    return f"mean acceptance length {spec['mean_acceptance_length']:.2f} over {spec['num_spec_steps']} steps"
+
+
+def structured():  # outlines-core is in the image; the tiny pair's word-level vocabulary cannot spell JSON: a clear 400
+    try:
+        out = chat(temperature=0, response_format={"type": "json_object"})
+    except BadRequestError as e:
+        assert e.body["param"] == "response_format" and "tokenizer" in e.body["message"], e.body
+        assert "outlines-core" not in e.body["message"], e.body
+        return f"400 naming response_format: {e.body['message'][:90]}"
+    raise AssertionError(f"answered {out.choices[0].message.content!r}, not refused")
+
+
+checks = {
+    "logprobs": logprobs,
+    "penalties": penalties,
+    "n=2": n_choices,
+    "spec metrics": metrics,
+    "json_object": structured,
+}
+for name, run in checks.items():
+    check(name, run)
+sys.exit(1 if failed else 0)
+PY
+}
 generate() {  # one generation over gRPC through the published gateway port (a new session; its text first)
     .venv/bin/rsd generate --server 127.0.0.1:7100 --method rsd_s --shape 2x2 --temperature 0 --max-new-tokens 8 \
         --prompt 'w2 w10 w11' | tee /tmp/rsd-compose-generate-"$1".txt >&2
@@ -160,6 +239,8 @@ generate() {  # one generation over gRPC through the published gateway port (a n
 chat
 generate before
 phase answer
+features
+phase features
 
 "${compose[@]}" -p "$project" --profile cpu kill drafter-cpu >/dev/null
 "${compose[@]}" -p "$project" --profile cpu up -d --no-build drafter-cpu

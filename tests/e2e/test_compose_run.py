@@ -1,8 +1,9 @@
 """docker-compose.yml run for real: scripts/compose_check.sh builds the CPU image from this checkout, starts the
-`cpu` profile, answers a chat through the OpenAI port and a generation over gRPC, kills and restarts the drafter,
-answers again, and takes the cluster down. It needs a Docker engine and minutes of building, so it runs only when
-asked: RSD_COMPOSE_CHECK=1 with an engine that answers `docker info` (scripts/compose_check.sh starts one where
-it can; run it directly for its phase timings)."""
+`cpu` profile, answers a chat through the OpenAI port and a generation over gRPC, checks logprobs, penalties,
+n = 2, the per-response speculative metrics and response_format's refusal on the tiny word-level vocabulary, kills
+and restarts the drafter, answers again, and takes the cluster down. It needs a Docker engine and minutes of
+building, so it runs only when asked: RSD_COMPOSE_CHECK=1 with an engine that answers `docker info`
+(scripts/compose_check.sh starts one where it can; run it directly for its phase timings)."""
 
 import os
 import shutil
@@ -30,3 +31,5 @@ def test_compose_cluster_answers_and_survives_a_drafter_restart():
     assert run.returncode == 0, run.stderr[-4000:]
     assert "every check passed" in run.stderr
     assert "compose_check: chat:" in run.stdout + run.stderr
+    for check in ("logprobs", "penalties", "n=2", "spec metrics", "json_object"):
+        assert f"compose_check: {check}: pass" in run.stderr
