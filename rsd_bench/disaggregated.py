@@ -120,7 +120,7 @@ def run_ar(target: Path, cores: str, prompts: list[list[int]], eos: list[int], a
         "cores": cores,
         "threads": threads,
         "dtype": dtype,
-        "numeric": getattr(args, "numeric", "exact"),  # rsd_bench.net's args have none: its models are exact
+        "numeric": args.numeric,
         "max_len": args.max_len,
         "prompts": prompts,
         "eos": eos,

@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--verifier-cores", default="1")
     ap.add_argument("--dtype", default="float32", help="the target's dtype (verifier and target alone)")
     ap.add_argument("--draft-quantize", default="int8", choices=("none", "int8", "auto"))
+    numerics = ("exact", "q8_activations")  # rsd_runtime.NUMERICS: a GGUF model's numeric mode
+    ap.add_argument("--numeric", default="exact", choices=numerics, help="the target's (verifier and target alone)")
+    ap.add_argument("--draft-numeric", default="exact", choices=numerics, help="the drafters'")
     ap.add_argument("--drafter-args", default="", help="more flags for both drafters, e.g. '--predraft-outcomes 2'")
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--start-timeout-s", type=float, default=900)
@@ -89,8 +92,9 @@ def start_services(draft: Path, target: Path, args, run_dir: Path):
     common = ["--max-len", str(args.max_len), "--drain-s", "1", "--threads", "1"]
     v_port = free_port()
     verifier = verifier_command(
-        v_port, target, "verifier-0", "--dtype", args.dtype, "--num-slots", "4", *common, cores=args.verifier_cores
-    )
+        v_port, target, "verifier-0", "--dtype", args.dtype, "--numeric", args.numeric, "--num-slots", "4", *common,
+        cores=args.verifier_cores,
+    )  # fmt: skip
     gateways, relay = {}, DelayRelay(f"127.0.0.1:{v_port}", jitter=args.jitter, seed=args.seed)
     try:
         cluster.spawn("verifier", verifier, env, f"127.0.0.1:{v_port}")
@@ -98,7 +102,8 @@ def start_services(draft: Path, target: Path, args, run_dir: Path):
         for pipelined in (False, True):
             d_port, g_port, name = free_port(), free_port(), f"drafter-{'predraft' if pipelined else 'plain'}"
             drafter = drafter_command(
-                d_port, draft, name, "--quantize", args.draft_quantize, "--predraft", str(pipelined).lower(),
+                d_port, draft, name, "--quantize", args.draft_quantize, "--numeric", args.draft_numeric,
+                "--predraft", str(pipelined).lower(),
                 "--max-sessions", "2", *common, *args.drafter_args.split(), cores=args.drafter_cores,
             )  # fmt: skip
             static = ["--drafters", f"{name}=127.0.0.1:{d_port}", "--verifiers", f"verifier-0={remote}"]
@@ -254,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         "target": str(target),
         "dtype": args.dtype,
         "draft_quantize": args.draft_quantize,
+        "numeric": args.numeric,
+        "draft_numeric": args.draft_numeric,
         "drafter_args": args.drafter_args,
         "network": {
             "emulation": "userspace TCP relay (rsd_bench.netem); tc netem unavailable on this kernel",
