@@ -162,8 +162,12 @@ def read_bandwidth_gbps(gib: float = 2, reps: int = 3) -> float:
 def weight_bytes(model) -> int:
     """Bytes a forward reads of the model's linear weights and head (parameters and GGUF blocks; embeddings are
     looked up, not read whole)."""
+    import torch
+
     embed = model.get_input_embeddings().weight
-    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()] if t is not None and t.dim() == 2}
+    # weight matrices, and GGUF blocks in any layout (repacked ones are flat uint8: quant_q8.repack_x8)
+    every = [*model.parameters(), *model.buffers()]
+    tensors = {id(t): t for t in every if t is not None and (t.dim() == 2 or t.dtype == torch.uint8)}
     tensors.pop(id(embed), None)
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
