@@ -523,6 +523,14 @@ x8_q4_k_block(const uint8_t* g, const int8_t* const* a, const float* da, const i
     }
 }
 
+/* Q6_K chunks summed before their sub-block's scale: int16 holds 2 (pairs <= 2 * 63 * 127), int32 a whole
+   sub-block's 4 (then one mullo a sub-block) */
+#if defined(Q8_VNNI)
+#define Q6_RUN 4
+#else
+#define Q6_RUN 2
+#endif
+
 static inline __attribute__((always_inline)) void
 x8_q6_k_block(const uint8_t* g, const int8_t* const* a, const float* da, const int16_t* const* sums, __m256* acc, const int nr) {
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)g));
@@ -533,11 +541,11 @@ x8_q6_k_block(const uint8_t* g, const int8_t* const* a, const float* da, const i
     for (int h = 0; h < 2; h++)
         for (int q = 0; q < 2; q++)
 #pragma GCC unroll 4
-            for (int t = 0; t < 8; t += 2) {
+            for (int t = 0; t < 8; t += Q6_RUN) {
                 __m256i lo[XB], hi[XB];
                 for (int r = 0; r < nr; r++) lo[r] = hi[r] = _mm256_setzero_si256();
-#pragma GCC unroll 2
-                for (int tt = t; tt < t + 2; tt++) { /* two pairs <= 2 * 63 * 127 each: their sum fits int16 */
+#pragma GCC unroll 4
+                for (int tt = t; tt < t + Q6_RUN; tt++) { /* int16: two pairs <= 2 * 63 * 127 each fit */
                     const __m256i v = _mm256_loadu_si256((const __m256i*)(ql + 32 * (16 * h + 8 * q + tt)));
                     const __m256i qh = _mm256_loadu_si256((const __m256i*)(qhb + 32 * (8 * h + tt)));
                     const __m256i vl = _mm256_or_si256(_mm256_and_si256(v, low4),
