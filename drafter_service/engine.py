@@ -150,7 +150,9 @@ class DrafterPool:
     (Names: rsd_runtime.engines' docstring.)"""
 
     def __init__(self, model: torch.nn.Module, config: DrafterConfig, compute: ComputeThread | None = None):
-        check_model(model, config.max_len)  # refuse at start, not at the first session, what trees cannot run exactly
+        # Refuse at start, not at the first session, what trees cannot run exactly; each runner then takes this
+        # plan (the probe is a forward: an int8-activation model unpacks its weights for it)
+        self.plan = check_model(model, config.max_len)
         self.model, self.config = model, config
         self.vocab_size: int = model.config.get_text_config().vocab_size
         self.automata = folder_automata(config.tokenizer or config.model)  # structured output, loaded at first use
@@ -224,7 +226,7 @@ class DrafterPool:
         slot = self._slots.pop(session_id, None)
         if slot is None:
             if len(self._slots) < self.config.max_sessions:
-                slot = _Slot(ModelRunner(self.model, self.config.max_len))
+                slot = _Slot(ModelRunner(self.model, self.config.max_len, self.plan))
             else:
                 victim = next((s for s, v in self._slots.items() if not v.busy), None)
                 if victim is None:
