@@ -209,11 +209,11 @@ def lean_decoder(model: torch.nn.Module) -> LeanDecoder | None:
 def _compare(model: torch.nn.Module, lean: LeanDecoder) -> float:
     """attention.relative_logit_error of the lean logits against the model's own over the load-time probe's tree,
     int8-activation layers computing exactly meanwhile (as the tree probe: the steps compared, not int8 rounding)."""
-    plan = check_model(model, 8)
-    ids, pos, allowed = probe_inputs(model)
-    mask = plan.masks(allowed.to(model.device), pos, pos, model.dtype)
-    num_layers = model.config.get_text_config().num_hidden_layers
-    rows = torch.arange(ids.shape[0], device=model.device)
-    with quant_q8.exact_layers(model):
+    with quant_q8.exact_layers(model):  # one unpacking of repacked weights for the probe and the comparison
+        plan = check_model(model, 8)
+        ids, pos, allowed = probe_inputs(model)
+        mask = plan.masks(allowed.to(model.device), pos, pos, model.dtype)
+        num_layers = model.config.get_text_config().num_hidden_layers
+        rows = torch.arange(ids.shape[0], device=model.device)
         own = model(input_ids=ids[None], attention_mask=mask, position_ids=pos[None], use_cache=False).logits[0].float()
         return relative_logit_error(lean(ids[None], pos[None], mask, SequenceKVCache(num_layers, 8), rows), own)

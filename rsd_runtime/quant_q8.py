@@ -232,7 +232,7 @@ def exact_layers(model: torch.nn.Module):
     that forward's attention rounds differently from the tree's, and int8 activations turn such last-bit
     differences into whole quantisation steps, which says nothing about positions. The served path is held
     to bit-for-bit row equality instead (tests/rsd_runtime/test_quant_q8.py)."""
-    layers = [m for m in model.modules() if isinstance(m, Q8ActivationLinear)]
+    layers = [m for m in model.modules() if isinstance(m, Q8ActivationLinear) and not m.exact]  # re-entrant
     for m in layers:
         m.exact, m._file = True, None
         m._file = m.file_blocks()  # unpacked once for the whole probe, dropped after
