@@ -435,7 +435,7 @@ int q8_gemm(const float* x, const uint8_t* w, float* y, int64_t R, int64_t K, in
    and float steps, laid out so that one 32-byte vector holds 4 consecutive codes of each of 8 weight rows.
    The input row's 4 matching codes are broadcast, so each int32 lane sums one weight row: no horizontal sums,
    the float step runs on 8 columns at once, and the integers and float order are the unpacked path's (same
-   bits). Per 8 rows and block (q8_repack writes it):
+   bits). Per 8 rows and block (quant_q8.repack_x8 writes it):
      Q4_K (1184 bytes): fp16 d[8], fp16 dmin[8], u8 sc pairs [4][8][2], u8 m pairs [4][8][2], qs [32][8][4]:
        vector p = 8c + t holds each row's qs[32c + 4t .. + 3]: low nibbles elements 64c + 4t + k (sub-block 2c),
        high nibbles 64c + 32 + 4t + k (sub-block 2c + 1).
