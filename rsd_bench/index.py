@@ -89,6 +89,15 @@ def _net(r: dict) -> str:
     return text
 
 
+def _capacity(r: dict) -> str:
+    best = _best(r["rows"], "tokens_per_s_per_verifier")
+    c, worst = r["clients_at_rate"], max(abs(x["error"]) for x in r["simulator"]["rows"])
+    return (
+        f"{best['speedup_vs_ar']:.2f}x the target alone's tokens/s per verifier at N={best['clients']}; "
+        f"clients at {c['rate']:.2f} tok/s {c['measured']} vs {c['target_alone']}; simulator within {100 * worst:.0f} %"
+    )
+
+
 def _simulate(r: dict) -> str:
     s, sizing = r["settings"], r["sizing"]
     check = r.get("check") or []
@@ -193,6 +202,7 @@ HEADLINES: dict[str, Callable[[dict], str]] = {
     "methods": _methods,
     "disaggregated": _disaggregated,
     "net": _net,
+    "capacity": _capacity,
     "simulate": _simulate,
     "vs_llamacpp": _vs_llamacpp,
     "services": _services,
