@@ -48,6 +48,7 @@ def _row(n: int, draft_ms: float, verify: dict, be: float, steady: float, tps: f
 
 RECORD = {
     "batch_wait_ms": 2.0,
+    "placement": {"drafter_cores": "0"},
     "rows": [  # verify = 200 ms + 60 ms per more session, exactly
         _row(1, 100.0, {1: [200.0, 10]}, 2.0, 6.0, 6.0, [6.0]),
         _row(2, 140.0, {1: [200.0, 5], 2: [260.0, 10]}, 2.5, 10.0, 9.0, [4.0, 5.0]),
@@ -67,6 +68,10 @@ def test_verify_fit_and_the_simulator_against_the_closed_form():
         measured = RECORD["rows"][n - 1]["steady_tokens_per_s_per_verifier"]
         assert r["predicted_tokens_per_s"] == pytest.approx(closed, rel=2e-3)
         assert r["predicted_own_draft_tokens_per_s"] == pytest.approx(own, rel=2e-3)
+        # drafts queued for one core: two sessions' 100 ms drafts fit in the other's 200 ms verification,
+        # which then never batches two trees: the verifier bounds, one tree at a time
+        shared = closed if n == 1 else 1000 * be / 200
+        assert r["predicted_shared_drafter_tokens_per_s"] == pytest.approx(shared, rel=2e-3)
         assert r["error"] == pytest.approx(r["predicted_tokens_per_s"] / measured - 1, abs=1e-3)
 
 
