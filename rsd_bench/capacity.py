@@ -256,7 +256,7 @@ def clients_served(rows: list[dict], ar_tokens_per_s: float, rate: float) -> dic
     ar = math.floor(ar_tokens_per_s / rate)
     measured = max(ok) if ok else 0
     return {
-        "rate": round(rate, 4),
+        "rate": rate,  # unrounded: --recompute must find the same clients
         "measured": measured,
         "measured_of": [r["clients"] for r in rows],
         "at_least": measured == max(r["clients"] for r in rows),  # the largest N run passed: more might

@@ -30,7 +30,8 @@ def test_tiny_run_writes_every_field(tmp_path):
     argv = ["--recompute", str(tmp_path / "c.json"), "--out-dir", str(tmp_path), "--name", "c2", "--sim-steps", "200"]
     assert capacity.main(argv) == 0
     again = json.loads((tmp_path / "c2.json").read_text())
-    assert all(again[k] == result[k] for k in ("clients_at_rate", "formula", "simulator", "commit"))
+    keys = ("clients_at_rate", "formula", "simulator", "commit")
+    assert {k: again[k] for k in keys} == {k: result[k] for k in keys}
 
 
 def _row(n: int, draft_ms: float, verify: dict, be: float, steady: float, tps: float, per_client: list) -> dict:
