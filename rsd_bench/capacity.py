@@ -446,6 +446,8 @@ def markdown(result: dict) -> str:
         f"{100 * r['error_own_draft']:+.1f} % |"
         for r in sim["rows"]
     ]
+    if result.get("comparisons_recomputed_at"):
+        lines += ["", f"Comparisons recomputed from the rows (--recompute) at {result['comparisons_recomputed_at']}."]
     return "\n".join(lines) + "\n"
 
 
