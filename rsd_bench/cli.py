@@ -29,6 +29,10 @@ BENCHMARKS = {
         "rsd_bench.net",
         "drafter and verifier across an emulated network (a delay relay): plain vs pre-drafting per delay",
     ),
+    "capacity": (
+        "rsd_bench.capacity",
+        "N drafter processes against one verifier over the delay relay: tokens/s per verifier, clients at a rate",
+    ),
     "simulate": (
         "rsd_bench.simulate",
         "a discrete-event model of E drafters x P verifier replicas: checked against a net run, replicas needed",

@@ -6,7 +6,11 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -65,13 +69,25 @@ def concurrent_runs(
     address: str, prompts: list[list[int]], args, n: int, temperature: float
 ) -> tuple[list[Run], float]:
     """n sessions started together (a barrier); -> (runs, wall from the first start to the last end)."""
+
+    def one(i: int, barrier: threading.Barrier) -> Run:
+        return gateway_run(address, prompts[i % len(prompts)], args, temperature, args.seed + i, barrier)
+
+    runs = run_together(n, one)
+    wall = max(r.end for r in runs) - min(r.start for r in runs)
+    return runs, wall
+
+
+def run_together(n: int, work: Callable[[int, threading.Barrier], T]) -> list[T]:
+    """work(i, barrier) in n threads, each waiting on the shared barrier before it starts timing;
+    -> the n results in order. The first error is raised (after every thread ended)."""
     barrier = threading.Barrier(n)
-    runs: list[Run | None] = [None] * n
+    out: list = [None] * n
     errors: list[BaseException] = []
 
     def one(i: int) -> None:
         try:
-            runs[i] = gateway_run(address, prompts[i % len(prompts)], args, temperature, args.seed + i, barrier)
+            out[i] = work(i, barrier)
         except BaseException as e:  # reported below
             errors.append(e)
             barrier.abort()
@@ -83,8 +99,7 @@ def concurrent_runs(
         t.join()
     if errors:
         raise errors[0]
-    wall = max(r.end for r in runs) - min(r.start for r in runs)
-    return runs, wall
+    return out
 
 
 def step_split(runs: list[Run]) -> dict:

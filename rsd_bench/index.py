@@ -89,6 +89,17 @@ def _net(r: dict) -> str:
     return text
 
 
+def _capacity(r: dict) -> str:
+    best = _best(r["rows"], "tokens_per_s_per_verifier")
+    c, sim = r["clients_at_rate"], r["simulator"]["rows"]
+    worst = {k: max(abs(x[k]) for x in sim) for k in ("error", "error_own_draft")}
+    return (
+        f"{best['speedup_vs_ar']:.2f}x the target alone's tokens/s per verifier at N={best['clients']}; clients at "
+        f"{c['rate']:.2f} tok/s {'>= ' if c.get('at_least') else ''}{c['measured']} vs {c['target_alone']}; "
+        f"simulator within {100 * worst['error']:.0f} % ({100 * worst['error_own_draft']:.0f} % with each N's draft ms)"
+    )
+
+
 def _simulate(r: dict) -> str:
     s, sizing = r["settings"], r["sizing"]
     check = r.get("check") or []
@@ -193,6 +204,7 @@ HEADLINES: dict[str, Callable[[dict], str]] = {
     "methods": _methods,
     "disaggregated": _disaggregated,
     "net": _net,
+    "capacity": _capacity,
     "simulate": _simulate,
     "vs_llamacpp": _vs_llamacpp,
     "services": _services,

@@ -78,6 +78,22 @@ def build_parser() -> argparse.ArgumentParser:
 def start_services(draft: Path, target: Path, args, run_dir: Path):
     """The verifier, the relay in front of it, and per pre-drafting setting (False, True) a drafter and a
     gateway that know the verifier by the relay's address. -> (cluster, relay, {pipelined: gateway address})."""
+    drafters = {
+        f"drafter-{'predraft' if p else 'plain'}": ["--predraft", str(p).lower(), *args.drafter_args.split()]
+        for p in (False, True)
+    }
+    cluster, relay, gateways = start_relay_cluster(draft, target, args, drafters, run_dir, ["--num-slots", "4"])
+    return cluster, relay, dict(zip((False, True), gateways.values(), strict=True))
+
+
+def start_relay_cluster(
+    draft: Path, target: Path, args, drafters: dict[str, list[str]], run_dir: Path, verifier_flags: list[str]
+):
+    """The verifier (args.verifier_cores), a relay in front of it (args.jitter, args.seed; delay 0 until
+    set_delay), and per drafter name a drafter with those extra flags and a gateway of its own
+    (args.drafter_cores) that know the verifier only by the relay's address, as a drafter at an edge site
+    would (the gateways' own calls to the verifier, release and health, cross it too).
+    -> (cluster, relay, {drafter name: gateway address})."""
     from rsd_tools.launcher import (
         Cluster,
         drafter_command,
@@ -92,25 +108,24 @@ def start_services(draft: Path, target: Path, args, run_dir: Path):
     common = ["--max-len", str(args.max_len), "--drain-s", "1", "--threads", "1"]
     v_port = free_port()
     verifier = verifier_command(
-        v_port, target, "verifier-0", "--dtype", args.dtype, "--numeric", args.numeric, "--num-slots", "4", *common,
+        v_port, target, "verifier-0", "--dtype", args.dtype, "--numeric", args.numeric, *verifier_flags, *common,
         cores=args.verifier_cores,
     )  # fmt: skip
     gateways, relay = {}, DelayRelay(f"127.0.0.1:{v_port}", jitter=args.jitter, seed=args.seed)
     try:
         cluster.spawn("verifier", verifier, env, f"127.0.0.1:{v_port}")
         remote = relay.start()
-        for pipelined in (False, True):
-            d_port, g_port, name = free_port(), free_port(), f"drafter-{'predraft' if pipelined else 'plain'}"
+        for name, flags in drafters.items():
+            d_port, g_port = free_port(), free_port()
             drafter = drafter_command(
                 d_port, draft, name, "--quantize", args.draft_quantize, "--numeric", args.draft_numeric,
-                "--predraft", str(pipelined).lower(),
-                "--max-sessions", "2", *common, *args.drafter_args.split(), cores=args.drafter_cores,
+                "--max-sessions", "2", *common, *flags, cores=args.drafter_cores,
             )  # fmt: skip
             static = ["--drafters", f"{name}=127.0.0.1:{d_port}", "--verifiers", f"verifier-0={remote}"]
             gateway = gateway_command(g_port, target, *static, "--drain-s", "1", cores=args.drafter_cores)
             cluster.spawn(name, drafter, env, f"127.0.0.1:{d_port}")
             cluster.spawn(f"gateway-{name}", gateway, env, f"127.0.0.1:{g_port}")
-            gateways[pipelined] = f"127.0.0.1:{g_port}"
+            gateways[name] = f"127.0.0.1:{g_port}"
         wait_all_ready(cluster.processes, args.start_timeout_s)
     except BaseException:
         cluster.stop(15.0, at_once=True)

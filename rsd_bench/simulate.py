@@ -73,8 +73,12 @@ class Outcome:
         return 1000 * self.tokens / self.duration_ms
 
 
-def simulate(sites: list[Site], pool: Pool, duration_ms: float = 60_000.0, seed: int = 0) -> Outcome:
-    """Run every session from time 0 (all start drafting) until duration_ms; tokens count when committed."""
+def simulate(
+    sites: list[Site], pool: Pool, duration_ms: float = 60_000.0, seed: int = 0, draft_devices: int = 0
+) -> Outcome:
+    """Run every session from time 0 (all start drafting) until duration_ms; tokens count when committed.
+    draft_devices: 0, each site drafts on a device of its own; k > 0, every site's drafts queue (first come)
+    for k shared devices, as drafters on one machine's cores do."""
     rng = random.Random(seed)
     events: list[tuple[float, int, str, int]] = []  # (time, order, kind, session)
     order = 0
@@ -96,8 +100,21 @@ def simulate(sites: list[Site], pool: Pool, duration_ms: float = 60_000.0, seed:
     free, busy_ms, batches, batched = pool.replicas, 0.0, 0, 0
     sent_at = [0.0] * len(sites)
     committed, steps = [0.0] * len(sites), 0
+    drafting: list[tuple[int, float]] = []  # (session, ms) waiting for a shared draft device
+    free_drafters = draft_devices
+
+    def draft(now: float, s: int, ms: float) -> None:
+        nonlocal free_drafters
+        if not draft_devices:
+            push(now + ms, "send", s)
+        elif free_drafters:
+            free_drafters -= 1
+            push(now + ms, "drafted", s)
+        else:
+            drafting.append((s, ms))
+
     for s, site in enumerate(sites):
-        push(site.draft_ms, "send", s)
+        draft(0.0, s, site.draft_ms)
 
     def start_batches(now: float) -> None:
         nonlocal free, busy_ms, batches, batched
@@ -115,6 +132,11 @@ def simulate(sites: list[Site], pool: Pool, duration_ms: float = 60_000.0, seed:
         now, _, kind, s = heapq.heappop(events)
         if now > duration_ms:
             break
+        if kind == "drafted":  # a shared device frees: the next queued draft starts, this tree leaves
+            free_drafters += 1
+            if drafting:
+                draft(now, *drafting.pop(0))
+            kind = "send"
         if kind == "send":
             sent_at[s] = now
             push(now + sites[s].one_way_ms, "arrive", s)
@@ -131,8 +153,7 @@ def simulate(sites: list[Site], pool: Pool, duration_ms: float = 60_000.0, seed:
             committed[s] += tokens(site)
             steps += 1
             hit = rng.random() < site.predraft_hit_rate
-            draft = max(0.0, site.draft_ms - (now - sent_at[s])) if hit else site.draft_ms
-            push(now + draft, "send", s)
+            draft(now, s, max(0.0, site.draft_ms - (now - sent_at[s])) if hit else site.draft_ms)
     return Outcome(
         tokens=sum(committed),
         duration_ms=duration_ms,

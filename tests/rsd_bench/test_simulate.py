@@ -34,6 +34,15 @@ def test_sessions_started_together_stay_in_one_batch():
     assert out.tokens_per_s == pytest.approx(1000 * 8 * 2 / (10 + 20 + 5 * 7), rel=2e-3)
 
 
+def test_drafts_queued_for_one_shared_device_bound_by_the_busier_of_drafter_and_verifier():
+    sites = [Site(draft_ms=30, tokens_per_step=2)] * 2  # the drafter busy all the time: a tree every 30 ms
+    out = simulate(sites, Pool(verify_ms=10), DURATION, draft_devices=1)
+    assert out.tokens_per_s == pytest.approx(1000 * 2 / 30, rel=2e-3) and out.mean_batch == 1
+    sites = [Site(draft_ms=10, tokens_per_step=2)] * 2  # the verifier busy all the time, one tree at a time
+    out = simulate(sites, Pool(verify_ms=20), DURATION, draft_devices=1)
+    assert out.tokens_per_s == pytest.approx(1000 * 2 / 20, rel=2e-3) and out.mean_batch == 1
+
+
 def test_more_replicas_serve_more_sessions_and_drawn_acceptance_averages_out():
     sites = [Site(one_way_ms=50, draft_ms=40, p=0.7, depth=4)] * 64
     one, four = (simulate(sites, Pool(r, 30, 4, max_batch=16), 20_000) for r in (1, 4))
