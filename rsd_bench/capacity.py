@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 
 from rsd.methods import Method
+from rsd_bench.disaggregated import add_model_flags, ar_summary, run_ar
 from rsd_bench.net import start_relay_cluster
 from rsd_bench.simulate import Pool, Site, simulate
 from rsd_tools.defaults import RESULTS_DIR
@@ -62,10 +63,7 @@ SAME_CORES = (
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m rsd_bench.capacity", description=__doc__.split("\n")[0])
-    ap.add_argument("--draft", type=Path)
-    ap.add_argument("--target", type=Path)
-    ap.add_argument("--cache-dir", type=Path)
-    ap.add_argument("--tiny", action="store_true", help="the tiny Qwen2 pair (a smoke run)")
+    add_model_flags(ap)
     ap.add_argument("--clients", default="1,2,4", help="numbers of clients (= drafters), each a run")
     ap.add_argument("--delay-ms", type=float, default=10.0, help="one-way delay, each direction")
     ap.add_argument("--jitter", type=float, default=0.1, help="fraction of the delay, uniform (default %(default)s)")
@@ -80,11 +78,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--client-rate", type=float, help="tokens/s each client must get (default: target alone / 2)")
     ap.add_argument("--drafter-cores", default="0")
     ap.add_argument("--verifier-cores", default="1")
-    ap.add_argument("--dtype", default="float32", help="the target's dtype (verifier and target alone)")
-    ap.add_argument("--draft-quantize", default="int8", choices=("none", "int8", "auto"))
-    numerics = ("exact", "q8_activations")  # rsd_runtime.NUMERICS: a GGUF model's numeric mode
-    ap.add_argument("--numeric", default="exact", choices=numerics, help="the target's (verifier and target alone)")
-    ap.add_argument("--draft-numeric", default="exact", choices=numerics, help="the drafters'")
     ap.add_argument("--batch-wait-ms", type=float, default=2.0, help="the verifier's")
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--sim-steps", type=int, default=2000, help="steps the simulator runs per N")
@@ -271,7 +264,6 @@ def clients_served(rows: list[dict], ar_tokens_per_s: float, rate: float) -> dic
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from rsd_bench.disaggregated import ar_summary, run_ar
     from rsd_bench.machine import git_commit, machine_info, run_record, write_result
 
     if args.recompute:

@@ -38,12 +38,22 @@ from rsd_tools.defaults import RESULTS_DIR
 SPLIT = ("draft_ms", "transfer_ms", "queue_ms", "verify_ms", "residual_ms", "step_ms")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m rsd_bench.disaggregated", description=__doc__.split("\n")[0])
+def add_model_flags(ap: argparse.ArgumentParser) -> None:
+    """The pair and how each side computes: the flags every services benchmark takes (disaggregated, net, capacity)."""
     ap.add_argument("--draft", type=Path)
     ap.add_argument("--target", type=Path)
     ap.add_argument("--cache-dir", type=Path)
     ap.add_argument("--tiny", action="store_true", help="the tiny Qwen2 pair (a smoke run)")
+    ap.add_argument("--dtype", default="float32", help="the target's dtype (verifier and target alone)")
+    ap.add_argument("--draft-quantize", default="int8", choices=("none", "int8", "auto"))
+    numerics = ("exact", "q8_activations")  # rsd_runtime.NUMERICS: a GGUF model's numeric mode
+    ap.add_argument("--numeric", default="exact", choices=numerics, help="the target's (verifier and target alone)")
+    ap.add_argument("--draft-numeric", default="exact", choices=numerics, help="the drafters'")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m rsd_bench.disaggregated", description=__doc__.split("\n")[0])
+    add_model_flags(ap)
     ap.add_argument("--methods", default="rsd_s:3x4;sd:4", help="';'-separated method:shape (default %(default)s)")
     ap.add_argument("--temperatures", default="0,0.6,1")
     ap.add_argument("--num-prompts", type=int, default=4)
@@ -65,17 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--verifier-threads", type=int, default=1)
     ap.add_argument("--drafter-threads", type=int, default=1)
     ap.add_argument("--ar-placements", default="1;0-1", help="';'-separated cores for the target alone")
-    ap.add_argument("--dtype", default="float32", help="the target's dtype (verifier and target alone)")
     ap.add_argument(
         "--ar-dtypes",
         default="",
         help="more dtypes for the target alone; each placement's baseline is its fastest (T = 0 is checked "
         "against --dtype's run)",
     )
-    ap.add_argument("--draft-quantize", default="int8", choices=("none", "int8", "auto"))
-    numerics = ("exact", "q8_activations")  # rsd_runtime.NUMERICS: a GGUF model's numeric mode
-    ap.add_argument("--numeric", default="exact", choices=numerics, help="the target's (verifier and target alone)")
-    ap.add_argument("--draft-numeric", default="exact", choices=numerics, help="the drafter's")
     ap.add_argument("--drafter-args", default="", help="more drafter flags, e.g. '--predraft-outcomes 2'")
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples of the steps")

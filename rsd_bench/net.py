@@ -33,7 +33,7 @@ from pathlib import Path
 
 from rsd.methods import Method
 from rsd.shape_control import adaptive_family
-from rsd_bench.disaggregated import ar_summary, run_ar, service_runs
+from rsd_bench.disaggregated import add_model_flags, ar_summary, run_ar, service_runs
 from rsd_bench.netem import DelayRelay
 from rsd_tools.defaults import RESULTS_DIR
 
@@ -42,10 +42,7 @@ SPLIT = ("draft_ms", "transfer_ms", "verify_ms", "step_ms")
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m rsd_bench.net", description=__doc__.split("\n")[0])
-    ap.add_argument("--draft", type=Path)
-    ap.add_argument("--target", type=Path)
-    ap.add_argument("--cache-dir", type=Path)
-    ap.add_argument("--tiny", action="store_true", help="the tiny Qwen2 pair (a smoke run)")
+    add_model_flags(ap)
     ap.add_argument("--delays", default="0,10,25", help="one-way delays in ms, each direction")
     ap.add_argument("--jitter", type=float, default=0.1, help="fraction of the delay, uniform (default %(default)s)")
     ap.add_argument("--methods", default="rsd_s:3x4;sd:4", help="';'-separated method:shape (default %(default)s)")
@@ -62,11 +59,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="prompt i runs with seed + i")
     ap.add_argument("--drafter-cores", default="0")
     ap.add_argument("--verifier-cores", default="1")
-    ap.add_argument("--dtype", default="float32", help="the target's dtype (verifier and target alone)")
-    ap.add_argument("--draft-quantize", default="int8", choices=("none", "int8", "auto"))
-    numerics = ("exact", "q8_activations")  # rsd_runtime.NUMERICS: a GGUF model's numeric mode
-    ap.add_argument("--numeric", default="exact", choices=numerics, help="the target's (verifier and target alone)")
-    ap.add_argument("--draft-numeric", default="exact", choices=numerics, help="the drafters'")
     ap.add_argument("--drafter-args", default="", help="more flags for both drafters, e.g. '--predraft-outcomes 2'")
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--start-timeout-s", type=float, default=900)
