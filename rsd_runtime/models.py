@@ -242,7 +242,8 @@ def prepare_draft(model: torch.nn.Module, draft_vocab: int = 0, quantize: str = 
     anything). Returns the quantisation applied; ValueError for a setting the model cannot take."""
     prune_draft_vocab(model, draft_vocab)
     applied = quantize_draft(model, quantize, dtype)
-    use_lean_forward(model)
+    if lean_decoder(model) is None or draft_vocab or applied != "none":  # load_model gave a q8 model one already
+        use_lean_forward(model)  # (again) over the layers as they are now
     return applied
 
 
