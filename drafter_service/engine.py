@@ -20,8 +20,8 @@ One run of a session at one epoch:
     tree in progress when the verdict arrives is finished if it is the verdict's own, else dropped.
     With config.predraft_width > 1 it drafts that many outcomes at once, on shadow runners, their
     levels packed into one forward (PreDrafter.draft_wave, _side_by_side).
-Each step's draws come from StepRandom(seed, Stream.DRAFT, root position) (rsd.random) here and (seed,
-Stream.VERIFY, root position) in the verifier, so a run equals the in-process
+Each step's draws come from StepRandom(seed, the rule's draft_stream, root position) (rsd.random; Stream.DRAFT
+but for the coupled rule) here and (seed, Stream.VERIFY, root position) in the verifier, so a run equals the in-process
 SpeculativeGenerator.generate with the same seed, token for token, pre-drafting or not.
 """
 
@@ -96,6 +96,7 @@ class RunJob:
     shapes: tuple[Shape, ...] = ()  # params.adaptive_shape: the family a ShapeController picks from; () = method's
     constraint: tuple[Constraint, int] | None = None  # structured output and where its text begins; None: free text
     output_start: int | None = None  # where the turn's output starts in committed_ids (the penalties'); None: after
+    draft_stream: Stream = Stream.DRAFT  # the rule's (Rule.draft_stream): COUPLED for the coupled rule
 
     @property
     def output_position(self) -> int:
@@ -268,7 +269,7 @@ class DrafterPool:
                     tree, next_tree = next_tree, None
                     predrafted = tree is not None
                     if tree is None:
-                        rng = StepRandom(job.seed, Stream.DRAFT, len(committed) - 1)
+                        rng = StepRandom(job.seed, job.draft_stream, len(committed) - 1)
                         tree = await self._in_thread(slot, drafter.draft, committed, method, job.sampling, rng)
                     t1 = time.perf_counter()
                     msg = draft_tree_to_proto(
@@ -413,7 +414,7 @@ class _Ahead:
     def __init__(self, engine: DrafterPool, slot: _Slot, drafter: Drafter, job: RunJob):
         self.engine, self.slot, self.job = engine, slot, job
         self.max_outcomes, self.width = engine.config.predraft_outcomes, engine.predraft_width
-        self.pre = PreDrafter(drafter, job.method, job.sampling, job.seed, self.max_outcomes)
+        self.pre = PreDrafter(drafter, job.method, job.sampling, job.seed, self.max_outcomes, job.draft_stream)
         self.round_trip_s = math.inf
         self.recent_hits: deque[bool] = deque(maxlen=PREDRAFT_PROBATION_STEPS)  # steps that pre-drafted
         self._arrived, self._verdict, self._task = threading.Event(), None, None

@@ -73,7 +73,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         sampling.check_vocab(vocab)
         top_logprobs = num_top_logprobs(params)
         logprobs_mode_from_proto(params)  # only the verifier applies it; a bad one is refused here already
-        rule_from_proto(params, sampling, method)  # only the verifier applies it; a bad one is refused here already
+        rule = rule_from_proto(params, sampling, method)  # the verifier applies it; a bad one is refused here already
         config = self.engine.config
         nodes = method.max_draft_tokens + 1
         if nodes > config.max_tree_nodes:
@@ -110,4 +110,5 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             shapes=shapes,
             constraint=constraint_from_proto(params),
             output_start=output_start_from_proto(request),
+            draft_stream=rule.draft_stream,
         )

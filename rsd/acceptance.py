@@ -24,9 +24,11 @@ scale to a real vocabulary (to compare rules on the same real trees).
     traversal               siblings WITHOUT replacement, per node     Traversal Verification, in rsd.traversal
     traversal_with_replacement  siblings drawn i.i.d.                  the same walk, p kept (rsd.traversal)
     block                   one chain                                  block verification, in rsd.traversal
+    coupled                 Gumbel-Top-K children from shared noise    Gumbel coupling, in rsd.coupled
 
-The last three judge whole paths, leaf to root, instead of node by node: a rule with `tests` gives
-the list of (node, a, law) tests of rsd.traversal, and the walk takes the first that passes.
+Traversal and block judge whole paths, leaf to root, instead of node by node: a rule with `tests` gives
+the list of (node, a, law) tests of rsd.traversal, and the walk takes the first that passes. The coupled
+rule samples the target with the drafter's own noise (Rule.draft_stream): no test, no residual.
 
 One RRS node, worked (tests/rsd/test_acceptance.py checks these numbers). V = 4, children x_1 = 1, x_2 = 2:
     q        = [0.25, 0.25, 0.25, 0.25]    target
@@ -59,7 +61,8 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from rsd.random import Draw, StepRandom
+from rsd.coupled import coupled_walk
+from rsd.random import Draw, StepRandom, Stream
 from rsd.sampling import check_probs, sample
 from rsd.spectr import kseq, merged_children
 from rsd.traversal import NodeLaws, Test, block_tests, traversal_tests, uniform_column
@@ -129,6 +132,11 @@ class Rule:
     children_of: ChildrenOf = own_children  # K-SEQ: the children of every chain on the same prefix
     reads_draft_law: bool = True  # False for greedy matching: p is never read, so its support is moot
     tests: Tests | None = None  # a whole-path rule's tests in order (rsd.traversal), instead of node_law
+    draft_stream: Stream = Stream.DRAFT  # the stream the drafter must draw from; COUPLED: the coupled rule
+
+    @property
+    def coupled(self) -> bool:
+        return self.draft_stream is Stream.COUPLED
 
 
 RULES = {
@@ -141,6 +149,7 @@ RULES = {
         "traversal_with_replacement", None, tests=partial(traversal_tests, without_replacement=False)
     ),
     "block": Rule("block", None, tests=block_tests),
+    "coupled": Rule("coupled", None, reads_draft_law=False, draft_stream=Stream.COUPLED),
 }
 
 
@@ -209,6 +218,8 @@ def verify(tree: DraftTree, target_probs: Tensor, rule: Rule, rng: StepRandom | 
         raise ValueError(f"rule {rule.name!r} needs the step's random stream")
     if rule.tests is not None:
         return _verify_by_tests(tree, target_probs, rule, rng)
+    if rule.coupled:
+        return _verify_coupled(tree, target_probs, rule, rng)
     node = 0
     while True:
         child_idx = rule.children_of(tree, node)  # [K], in sampling order
@@ -246,6 +257,15 @@ def _verify_by_tests(tree: DraftTree, target_probs: Tensor, rule: Rule, rng: Ste
     return Verdict(accepted_idx, tree.token_ids[accepted_idx].tolist(), token, is_bonus)
 
 
+def _verify_coupled(tree: DraftTree, target_probs: Tensor, rule: Rule, rng: StepRandom) -> Verdict:
+    """The coupled rule (rsd.coupled): the noise is the step's Stream.COUPLED, from the same seed and root."""
+    noise = StepRandom(rng.seed, Stream.COUPLED, rng.root_position)
+    node, token = coupled_walk(tree, lambda n: _node_laws(tree, target_probs, n, own_children(tree, n), rule)[0], noise)
+    accepted_idx = path_to(tree.parent_idx, node)
+    is_bonus = not bool((tree.parent_idx == node).any())
+    return Verdict(accepted_idx, tree.token_ids[accepted_idx].tolist(), token, is_bonus)
+
+
 def _column(tree: DraftTree, node: int) -> tuple[int, Tensor]:
     parent, rank = uniform_column(tree, node)
     return parent, torch.tensor([rank], device=tree.parent_idx.device)
@@ -256,6 +276,11 @@ def _endings(tree: DraftTree, target_probs: Tensor, rule: Rule) -> Iterator[tupl
     way of ending (a node may appear more than once). The step accepts the path root -> node; the
     probabilities sum to 1. Vector ops over V per node, nothing enumerated over V."""
     _check_shapes(tree, target_probs)
+    if rule.coupled:
+        raise ValueError(
+            "the coupled rule reads the noise the tree was drawn with: its law on a given tree is not a function "
+            "of the tree and the laws (rsd.coupled)"
+        )
     if rule.tests is not None:  # the tests in order: reach test j with the mass that failed all before it
         mass = 1.0
         for node, a, probs in rule.tests(tree, _laws(tree, target_probs, rule)):

@@ -104,14 +104,14 @@ def draft_tree(
 
     A node whose law has fewer than K tokens in its support gets only that many children in the
     without-replacement and greedy modes. stop_below: a node drawn with probability below it gets
-    no children (the root always does). rng: the step's Stream.DRAFT draws. device: where the
+    no children (the root always does). rng: the step's draws (Rule.draft_stream). device: where the
     tree's tensors live (the proposal's laws stay on their own device while drafting).
     """
     _check_branching(branching)
     mode = DraftMode(mode)  # ValueError for an unknown mode
     tree = _TreeBuilder(root_token, device)
     frontier, own, probs = [0], [1.0], None  # own: each frontier node's probability in its parent's law
-    for k in branching:
+    for depth, k in enumerate(branching):  # the frontier's depth
         frontier = [n for n, p in zip(frontier, own, strict=True) if p >= stop_below]
         if not frontier:
             break
@@ -130,7 +130,7 @@ def draft_tree(
         elif mode is DraftMode.WITHOUT_REPLACEMENT:
             # DEVIATION: the paper's branching is constant; past a law's support no distinct token is
             # left, so the node keeps fewer children (Sequoia drafts uniformly there instead).
-            child_ids, valid_mask = gumbel_top_k(probs, min(k, probs.shape[-1]), rng, node_idx)  # [F, k]
+            child_ids, valid_mask = gumbel_top_k(probs, min(k, probs.shape[-1]), rng, node_idx, depth)  # [F, k]
         else:
             top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)  # [F, k]
             child_ids, valid_mask = top.indices, top.values > 0
@@ -213,7 +213,7 @@ def draft_sbs(
             g_child = phi_child
         else:
             node_idx = torch.tensor(beams, dtype=torch.long, device=probs.device)  # [F]
-            noise = rng.gumbel(node_idx, ids, probs.shape[-1])  # [F, S], keyed by (beam node, token id)
+            noise = rng.gumbel(node_idx, ids, probs.shape[-1], level)  # [F, S], keyed by (beam node, token id)
             g_child = _condition_gumbel(phi_child + noise, g)  # [F, S]
         top = torch.topk(g_child.flatten(), min(beam_width, g_child.numel()))  # [<= W] over F * S
         keep_idx = top.indices[torch.isfinite(top.values)]  # [<= W] flat (row, column), descending G

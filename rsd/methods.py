@@ -13,7 +13,9 @@ top-K first drafts then greedy chains for spectr) and verifies by greedy matchin
 Verification (`Method.rule(greedy, verification)`, T > 0): "token" is the rule above, node by node;
 "traversal" is Traversal Verification (rsd.traversal), in the variant that is exact for the method's
 siblings (without replacement: sd, rsd_c, rsd_s; i.i.d.: specinfer, spectr); "block" is block
-verification, for shapes that are one chain. A pairing that is not exact raises ValueError. At T = 0
+verification, for shapes that are one chain; "coupled" samples the target with the drafter's own Gumbel
+noise (rsd.coupled), for the methods that draw children by Gumbel-Top-K (sd, rsd_c, rsd_s), which then
+draft from the rule's stream (Rule.draft_stream). A pairing that is not exact raises ValueError. At T = 0
 every choice is greedy matching: the target's greedy output is the only exact one.
 
 Any shape may end in "@tau" (e.g. "rsd_s:3x8@0.3", "sd:10@0.4"): the confidence stop of
@@ -34,7 +36,8 @@ METHOD_NAMES = ("sd", "specinfer", "spectr", "rsd_c", "rsd_s")
 # The shape each method runs with when none is given (gateway, CLI): chains of 4, trees of 5-12 nodes.
 DEFAULT_SHAPES = {"sd": "4", "specinfer": "2,2,1", "spectr": "3x4", "rsd_c": "2,2,1", "rsd_s": "3x4"}
 _RULE = {"sd": "rrs", "specinfer": "rrs_with_replacement", "spectr": "kseq", "rsd_c": "rrs", "rsd_s": "rrs"}
-VERIFICATIONS = ("token", "traversal", "block")
+VERIFICATIONS = ("token", "traversal", "block", "coupled")
+_GUMBEL_TOP_K = ("sd", "rsd_c", "rsd_s")  # children from Gumbel keys the verifier can recompute (rsd.coupled)
 _TRAVERSAL = {  # the variant exact for the method's siblings (tests/rsd/test_traversal.py)
     "sd": "traversal",
     "specinfer": "traversal_with_replacement",
@@ -118,13 +121,19 @@ class Method:
                 f"block verification is exact for one chain only; {self.name} with this shape drafts trees "
                 "(use a chain shape, or verification 'traversal')"
             )
+        if verification == "coupled" and self.name not in _GUMBEL_TOP_K:
+            raise ValueError(
+                f"the coupled rule needs children drawn by Gumbel-Top-K ({', '.join(_GUMBEL_TOP_K)}); "
+                f"{self.name} draws i.i.d. children"
+            )
         if greedy:
             return RULES["greedy"]
-        name = {"token": _RULE[self.name], "traversal": _TRAVERSAL[self.name], "block": "block"}[verification]
+        names = {"token": _RULE[self.name], "traversal": _TRAVERSAL[self.name], "block": "block", "coupled": "coupled"}
+        name = names[verification]
         return RULES[name]
 
     def draft(self, proposal: Proposal, root_token: int, rng: StepRandom, greedy: bool, device="cpu") -> DraftTree:
-        """The method's tree; rng: the step's Stream.DRAFT draws (unused when greedy)."""
+        """The method's tree; rng: the step's draws from the rule's Rule.draft_stream (unused when greedy)."""
         stop = self.stop_below
         if self.name == "rsd_s":
             return draft_sbs(proposal, root_token, self.beam_width, self.depth, rng, device, greedy, stop)

@@ -1,7 +1,9 @@
 """Counter-based randomness: every uniform a step uses is a pure function of its key.
 
 A speculative step draws in two streams, the drafter's (Stream.DRAFT: the tree's children) and the
-verifier's (Stream.VERIFY: acceptance tests, the correction or bonus token). A draw is addressed by
+verifier's (Stream.VERIFY: acceptance tests, the correction or bonus token); under the coupled rule
+(rsd.coupled) both read a third, Stream.COUPLED, whose Gumbel noise is keyed by the absolute position of
+the token it picks instead of by node. A draw is addressed by
 
     key      seed                                     all 64 bits
     counter  (column, node, draw << 8 | stream, root position)   four 32-bit words
@@ -32,10 +34,11 @@ _ROUNDS = 10
 
 
 class Stream(IntEnum):
-    """The two random streams of a session."""
+    """The random streams of a session."""
 
     DRAFT = 0  # the drafter's: which children a tree gets
     VERIFY = 1  # the verifier's: acceptance tests and the emitted token
+    COUPLED = 2  # shared by drafter and verifier under the coupled rule: Gumbel noise per position (gumbel())
 
 
 class Draw(IntEnum):
@@ -142,11 +145,20 @@ class StepRandom:
         u = torch.stack([_to_uniform(words[0], words[1]), _to_uniform(words[2], words[3])], -1)  # [F, H, 2]
         return u.flatten(-2)[:, :num_columns]
 
-    def gumbel(self, node_idx: Tensor, token_ids: Tensor | None, vocab_size: int = 0) -> Tensor:
+    def gumbel(self, node_idx: Tensor, token_ids: Tensor | None, vocab_size: int = 0, depth: int = 0) -> Tensor:
         """Standard Gumbel noise -log(-log(u)) [F, S], float64, keyed by (node, token id) (Draw.GUMBEL):
-        token_ids [F, S] for each row of node_idx [F], or None for every id of a vocabulary [F, vocab_size]."""
+        token_ids [F, S] for each row of node_idx [F], or None for every id of a vocabulary [F, vocab_size].
+
+        Stream.COUPLED keys it by (position, token id) instead: the nodes node_idx, all at `depth`, pick
+        the token at absolute position root_position + depth + 1, and every node there shares that noise,
+        in whichever step and tree it is drawn (rsd.coupled).
+        """
+        rng = self
+        if self.stream is Stream.COUPLED:
+            rng = StepRandom(self.seed, self.stream, self.root_position + depth + 1)
+            node_idx = torch.zeros_like(node_idx)
         if token_ids is None:
-            u = self.uniform_rows(Draw.GUMBEL, node_idx, vocab_size)
+            u = rng.uniform_rows(Draw.GUMBEL, node_idx, vocab_size)
         else:
-            u = self.uniform(Draw.GUMBEL, node_idx[:, None], token_ids)
+            u = rng.uniform(Draw.GUMBEL, node_idx[:, None], token_ids)
         return -torch.log(-torch.log(u))

@@ -266,9 +266,9 @@ def support(probs: Tensor) -> tuple[Tensor, Tensor | None]:
     return top.values, top.indices if ids is None else ids.gather(-1, top.indices)
 
 
-def gumbel_top_k(probs: Tensor, k: int, rng: StepRandom, node_idx: Tensor) -> tuple[Tensor, Tensor]:
+def gumbel_top_k(probs: Tensor, k: int, rng: StepRandom, node_idx: Tensor, depth: int = 0) -> tuple[Tensor, Tensor]:
     """Ordered sample of k tokens without replacement from each row of probs [F, V], the law at tree
-    node node_idx [F].
+    node node_idx [F] (at `depth`, which keys the noise under Stream.COUPLED: StepRandom.gumbel).
 
     Perturb log p with Gumbel noise and take the top k keys, largest first: that is a Plackett-Luce
     sample, i.e. x_1 ~ p, x_2 ~ p restricted to V minus {x_1} renormalised, ... The noise of token t at
@@ -278,7 +278,7 @@ def gumbel_top_k(probs: Tensor, k: int, rng: StepRandom, node_idx: Tensor) -> tu
     """
     check_probs(probs)
     values, ids = support(probs)  # [F, S] each
-    noise = rng.gumbel(node_idx, ids, probs.shape[-1])  # [F, S]
+    noise = rng.gumbel(node_idx, ids, probs.shape[-1], depth)  # [F, S]
     keys = torch.log(values.to(torch.float64)) + noise  # [F, S]
     top = torch.topk(keys, min(k, keys.shape[-1]), dim=-1)  # [F, <= k]
     top_ids = top.indices if ids is None else ids.gather(-1, top.indices)

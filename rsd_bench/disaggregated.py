@@ -22,6 +22,7 @@ transfer, queue, verify, residual). Writes <out-dir>/<name>.json, .md and -token
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shlex
@@ -63,8 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--verification",
         default="token",
-        choices=VERIFICATIONS,
-        help="the exact rule the verifier applies to every method (rsd.methods; block: chain shapes only)",
+        type=_verifications,
+        help="the exact rule the verifier applies to every method, or several comma-separated: each method runs "
+        f"under each, in one run ({', '.join(VERIFICATIONS)}; rsd.methods; block: chain shapes only)",
     )
     ap.add_argument(
         "--predraft", default="on,off", help="pre-drafting settings to run: on, off, on:W (W trees side by side)"
@@ -189,11 +191,21 @@ def start_services(draft: Path, target: Path, args, predraft: bool, run_dir: Pat
     return cluster, f"127.0.0.1:{g_port}"
 
 
-def service_runs(address: str, prompts: list[list[int]], method: str, shape: str, t: float, args) -> list:
+def _verifications(text: str) -> str:
+    """ "token,coupled" -> itself, each a known verification; argparse reports the ValueError."""
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in names if v not in VERIFICATIONS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"expected one or more of {', '.join(VERIFICATIONS)}, got {text!r}")
+    return ",".join(names)
+
+
+def service_runs(
+    address: str, prompts: list[list[int]], method: str, shape: str, t: float, args, verification: str = "token"
+) -> list:
     from rsd_bench.gateway_runs import gateway_run
 
     opts = argparse.Namespace(method=method, shape=shape, max_new_tokens=args.max_new_tokens, request_timeout_s=3600)
-    verification = args.verification
     return [gateway_run(address, p, opts, t, args.seed + i, verification=verification) for i, p in enumerate(prompts)]
 
 
@@ -202,7 +214,16 @@ def service_runs(address: str, prompts: list[list[int]], method: str, shape: str
 
 
 def service_row(
-    method: str, shape: str, t: float, pipelined: bool, runs: list, ar: dict, greedy_ar: list[dict], args, width=1
+    method: str,
+    shape: str,
+    t: float,
+    pipelined: bool,
+    runs: list,
+    ar: dict,
+    greedy_ar: list[dict],
+    args,
+    width=1,
+    verification: str = "token",
 ) -> dict:
     """greedy_ar: the target alone's T = 0 runs in the verifier's dtype (what T = 0 must equal)."""
     from rsd_bench.gateway_runs import step_split
@@ -215,7 +236,7 @@ def service_row(
         "method": method,
         "shape": shape,
         "temperature": t,
-        "verification": args.verification,
+        "verification": verification,
         "pipelined": pipelined,
         "predraft_width": width if pipelined else 0,  # trees pre-drafted side by side (drafter predraft_width)
         "tokens": tokens,
@@ -269,11 +290,12 @@ def main(argv: list[str] | None = None) -> int:
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
     temps = _temperatures(args)
     methods = [m.split(":", 1) for m in args.methods.split(";")]
-    for name, shape in methods:  # refused before anything starts, as the gateway would refuse each run
+    verifications = args.verification.split(",")
+    for (name, shape), verification in itertools.product(methods, verifications):  # refused before anything starts
         try:
-            Method.parse(name, shape).rule(False, args.verification)
+            Method.parse(name, shape).rule(False, verification)
         except ValueError as e:
-            raise SystemExit(f"error: --verification {args.verification}, {name}:{shape}: {e}") from None
+            raise SystemExit(f"error: --verification {verification}, {name}:{shape}: {e}") from None
     machine = machine_info()
     log(f"{len(prompts)} prompts x {args.max_new_tokens} tokens, T {temps}, methods {args.methods}")
 
@@ -300,12 +322,13 @@ def main(argv: list[str] | None = None) -> int:
             cluster, address = start_services(draft, target, args, pipelined, Path(run_dir), width)
             try:
                 service_runs(address, prompts[:1], methods[0][0], methods[0][1], 0.0, _short(args))  # warm-up
-                for method, shape in methods:
+                for (method, shape), verification in itertools.product(methods, verifications):
                     for t in temps:
-                        runs = service_runs(address, prompts, method, shape, t, args)
-                        rows.append(service_row(method, shape, t, pipelined, runs, ar, greedy_ar, args, width))
+                        runs = service_runs(address, prompts, method, shape, t, args, verification)
+                        row = service_row(method, shape, t, pipelined, runs, ar, greedy_ar, args, width, verification)
+                        rows.append(row)
                         r = rows[-1]
-                        log(f"{method} {shape} T={t} predraft {setting}: {r['tokens_per_s']} tok/s, "
+                        log(f"{method} {shape} ({verification}) T={t} predraft {setting}: {r['tokens_per_s']} tok/s, "
                             f"BE {r['block_efficiency']}, hit {r['predraft_hit_rate']}, "
                             f"x{r['speedup_vs_ar_whole_machine']} whole machine")  # fmt: skip
             finally:

@@ -195,7 +195,7 @@ def _rule_replay(r: dict) -> str:
     for row in gains:  # each method's best other rule
         if row["method"] not in best or row["vs_token"] > best[row["method"]]["vs_token"]:
             best[row["method"]] = row
-    return f"T = {top:g}, best rule vs token on the same trees: " + ", ".join(
+    return f"T = {top:g}, best rule vs token (coupled: its own run): " + ", ".join(
         f"{m} {row['verification']} {row['vs_token_pct']:+.1f} %" for m, row in best.items()
     )
 

@@ -201,7 +201,6 @@ def compare(rows: list[dict], runs: dict, ar: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    args.verification = "token"  # the default rule (service_runs sends it)
     from rsd_bench.machine import machine_info, run_record, write_result
     from rsd_bench.prompts import stdlib_prompts
     from rsd_runtime.tokenizer import load_tokenizer

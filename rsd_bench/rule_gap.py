@@ -12,7 +12,11 @@ For every tree shape (V <= 8, depth <= 3) and temperature, on the toy pair of rs
   acceptance rate. It lets a rule read the target's laws anywhere (as Hu et al.'s does), so deeper it is the
   optimum of that wider class: an upper bound for rules that see only the tree's laws, reached on chains by
   Traversal Verification (tests/rsd_bench/test_rule_gap.py);
-- first level: P(at least one token accepted) against Hu et al.'s optimum for the root's children alone.
+- first level: P(at least one token accepted) against Hu et al.'s optimum for the root's children alone;
+- the coupled rule (rsd.coupled) for sd and rsd_c, exactly too (`coupled_accepted`): it accepts along the path of
+  the target's own Gumbel-max samples while each is among its node's Gumbel-Top-K children, and the noise of
+  each depth is independent, so E[accepted] sums over paths products of one-node match probabilities, each a
+  closed-form integral (`coupled_match`). Not for rsd_s, whose beams share a depth's noise across parents.
 
 Averaged over `--contexts` root contexts (each its own laws). Exact up to the LP solver's tolerance (1e-7).
 """
@@ -66,6 +70,57 @@ def rule_figures(trees: list, target, rule) -> tuple[float, float]:
             accepted += p_tree * p * (len(emitted) - 1)
             first += p_tree * p * (len(emitted) > 1)
     return accepted, first
+
+
+def coupled_match(q: torch.Tensor, p: torch.Tensor, k: int, y: int) -> float:
+    """P(y = argmax_v log q(v) + G(v) and y among the top k of log p(v) + G(v) over p's support), G i.i.d. Gumbel.
+
+    Condition on G(y) = g and write u = exp(-exp(-g)) (uniform on (0, 1)). Another token v keeps y the target's
+    argmax iff G(v) < g + log(q_y / q_v), probability u^(q_v / q_y), and outranks y in the draft's keys iff
+    G(v) > g + log(p_y / p_v), probability 1 - u^(p_v / p_y). So v is "below y for q, above y for p" with
+    probability u^a - u^b (a = q_v / q_y < b = p_v / p_y, else 0) and "below y for both" with u^max(a, b). Sum over
+    the sets B of fewer than k tokens above y for p, expand the products into powers u^c, and integrate:
+    the integral of u^c over (0, 1) is 1 / (c + 1). Exact, no quadrature."""
+    q_y, p_y = float(q[y]), float(p[y])
+    if q_y == 0 or p_y == 0:
+        return 0.0
+    others = []  # per v != y: (a, b) or None where v can never outrank y for p
+    for v in range(q.shape[0]):
+        if v == y:
+            continue
+        a = float(q[v]) / q_y
+        others.append((a, float(p[v]) / p_y if p[v] > 0 else None))
+    total = 0.0
+    for size in range(k):
+        for above in itertools.combinations(range(len(others)), size):
+            if any(others[i][1] is None or others[i][0] >= others[i][1] for i in above):
+                continue  # this v cannot be below y for q and above it for p at once
+            base = sum(max(a, b) if b is not None else a for i, (a, b) in enumerate(others) if i not in above)
+            terms = [(base, 1.0)]  # (exponent, coefficient) of the expanded product
+            for i in above:
+                a, b = others[i]
+                terms = [(c + e, w * s) for c, w in terms for e, s in ((a, 1.0), (b, -1.0))]
+            total += sum(w / (c + 1) for c, w in terms)
+    return total
+
+
+def coupled_accepted(method: Method, draft, target, vocab: int) -> tuple[float, float]:
+    """(E[accepted draft tokens], P(at least one accepted)) of the coupled rule on `method`'s trees (sd, rsd_c)."""
+    if method.name not in ("sd", "rsd_c"):
+        raise ValueError("exact here for sd and rsd_c only: rsd_s's beams share a depth's noise across parents")
+
+    def reach(prefix: tuple[int, ...], depth: int) -> float:  # E[accepted below `prefix`, given it is accepted]
+        if depth == method.depth:
+            return 0.0
+        q, p = target(prefix), draft(prefix)
+        k = min(method.branching[depth], int((p > 0).sum()))
+        return sum(
+            m * (1.0 + reach((*prefix, y), depth + 1)) for y in range(vocab) if (m := coupled_match(q, p, k, y)) > 0
+        )
+
+    q, p = target(()), draft(())
+    first = sum(coupled_match(q, p, min(method.branching[0], int((p > 0).sum())), y) for y in range(vocab))
+    return reach((), 0), first
 
 
 def _paths(tree) -> list[tuple[int, ...]]:
@@ -153,6 +208,7 @@ def transport_max(a: list[float], b: list[float], gain: list[list[float]]) -> fl
 def measure(vocab: int, name: str, shape: str, temperature: float, contexts: int) -> list[dict]:
     method = Method.parse(name, shape)
     rules = ["token", "traversal"] + (["block"] if method.max_draft_tokens == method.depth else [])
+    rules += ["coupled"] if name in ("sd", "rsd_c") else []
     draft, target = pair(vocab, SCALE, SIGMA, temperature)
     sums = {r: [0.0, 0.0] for r in rules}
     bound = first_bound = 0.0
@@ -160,7 +216,10 @@ def measure(vocab: int, name: str, shape: str, temperature: float, contexts: int
         d, t = at_context(draft, c), at_context(target, c)
         trees = tree_law(method, d, vocab)
         for r in rules:
-            acc, first = rule_figures(trees, t, method.rule(False, r))
+            if r == "coupled":
+                acc, first = coupled_accepted(method, d, t, vocab)
+            else:
+                acc, first = rule_figures(trees, t, method.rule(False, r))
             sums[r][0] += acc / contexts
             sums[r][1] += first / contexts
         bound += optimal_accepted(trees, t, method.depth, vocab) / contexts
@@ -188,7 +247,7 @@ def measure(vocab: int, name: str, shape: str, temperature: float, contexts: int
 def summary(rows: list[dict]) -> dict[str, float]:
     """Mean gap to the optimum (tokens per step) of each verification, over the cells where it runs."""
     out = {}
-    for v in ("token", "traversal", "block"):
+    for v in ("token", "traversal", "block", "coupled"):
         gaps = [r["gap"] for r in rows if r["verification"] == v]
         if gaps:
             out[v] = sum(gaps) / len(gaps)
@@ -207,22 +266,25 @@ def markdown(result: dict) -> str:
         f"{result['contexts']} root contexts. `optimum`: the largest E[accepted] of any exact rule, by linear program",
         "(Hu et al.'s LP at depth 1). token: the method's rule of today (rrs; rrs_with_replacement for specinfer;",
         "kseq for spectr); traversal: Traversal Verification (its i.i.d. variant for specinfer and spectr); block:",
-        "block verification, chains only. `P(acc>=1)`: the first level's acceptance rate, token rule / traversal /",
-        "Hu et al.'s optimum for the root's children.",
+        "block verification, chains only; coupled: the coupled rule (sd and rsd_c; its own trees, drawn from the",
+        "noise it shares, of the same law). `P(acc>=1)`: the first level's acceptance rate, token rule / traversal /",
+        "coupled / Hu et al.'s optimum for the root's children.",
         "",
-        "| V | method | shape | T | token | traversal | block | optimum | gap token | gap traversal | P(acc>=1) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| V | method | shape | T | token | traversal | block | coupled | optimum | gap token | gap traversal | "
+        "gap coupled | P(acc>=1) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for (vocab, method, shape, temperature), by in cells.items():
-        tok, trav, block = by["token"], by["traversal"], by.get("block")
+        tok, trav, block, coupled = by["token"], by["traversal"], by.get("block"), by.get("coupled")
         block_accepted = "-" if block is None else f"{block['accepted']:.4f}"
-        first = " / ".join(
-            f"{x:.3f}"
-            for x in (tok["first_level_acceptance"], trav["first_level_acceptance"], tok["first_level_optimum"])
-        )
+        firsts = (tok, trav) + ((coupled,) if coupled else ())
+        first = " / ".join(f"{r['first_level_acceptance']:.3f}" for r in firsts) + (" / -" if not coupled else "")
+        first += f" / {tok['first_level_optimum']:.3f}"
+        c_acc, c_gap = ("-", "-") if coupled is None else (f"{coupled['accepted']:.4f}", f"{coupled['gap']:.4f}")
         lines.append(
             f"| {vocab} | {method} | {shape} | {temperature:g} | {tok['accepted']:.4f} | {trav['accepted']:.4f} | "
-            f"{block_accepted} | {tok['bound']:.4f} | {tok['gap']:.4f} | {trav['gap']:.4f} | {first} |"
+            f"{block_accepted} | {c_acc} | {tok['bound']:.4f} | {tok['gap']:.4f} | {trav['gap']:.4f} | {c_gap} | "
+            f"{first} |"
         )
     mean = summary(result["rows"])
     lines += [

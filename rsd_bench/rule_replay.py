@@ -14,6 +14,11 @@ has no sampling noise of its own: it is paired, step by step, and its interval c
 occurred. The laws [N, V] are kept for one step; the result keeps each step's expected accepted drafts per
 rule (and the mean P(accepted >= d) per depth), from which every figure is computed.
 
+The coupled rule (rsd.coupled) cannot be replayed: it reads the noise the tree was drawn with, and its trees
+come from that noise (Stream.COUPLED). For the methods it is exact for (sd, rsd_c, rsd_s) each cell runs the
+prompts a second time with it and keeps what it accepted at each step: a realised count, so its difference to
+the token rule is unpaired (other trees, other draws) and its interval wider.
+
 Per (method, shape, T, rule): the mean expected accepted drafts per step with a 95% interval over steps
 (mean +- 1.96 s / sqrt(n); the steps of one generation are not independent, so per-prompt means are kept),
 P(accepted >= d | accepted >= d - 1) per depth, and the difference to the method's token rule on the same steps.
@@ -35,7 +40,7 @@ from pathlib import Path
 
 from torch import Tensor
 
-from rsd.acceptance import accepted_length_law
+from rsd.acceptance import Verdict, accepted_length_law
 from rsd.constraint import Guide
 from rsd.methods import Method
 from rsd.sampling import SamplingParams
@@ -58,6 +63,15 @@ def verifications(method: Method) -> list[str]:
     return ["token", "traversal"] + (["block"] if method.max_draft_tokens == method.depth else [])
 
 
+def runs_coupled(method: Method) -> bool:
+    """Whether the coupled rule is exact on the method's trees (rsd.methods: Gumbel-Top-K children)."""
+    try:
+        method.rule(False, "coupled")
+    except ValueError:
+        return False
+    return True
+
+
 def replay_tree(method: Method, tree: DraftTree, target_probs: Tensor) -> dict[str, list[float]]:
     """verification -> [P(accepted = d) for d = 0..the tree's depth] on this tree, T > 0."""
     return {v: accepted_length_law(tree, target_probs, method.rule(False, v)) for v in verifications(method)}
@@ -76,7 +90,8 @@ class ReplayVerifier(Verifier):
         self, committed: list[int], tree: DraftTree, params: SamplingParams, guide: Guide | None = None
     ) -> Tensor:
         probs = super().target_probs(committed, tree, params, guide)  # [N, V]
-        self.replays.append(replay_tree(self.method, tree.to(probs.device), probs))
+        if self.method is not None:  # None: a coupled run, nothing to replay
+            self.replays.append(replay_tree(self.method, tree.to(probs.device), probs))
         return probs
 
 
@@ -86,6 +101,11 @@ class ReplayGenerator(SpeculativeGenerator):
     def __init__(self, target: ModelRunner, draft: ModelRunner):
         super().__init__(target, draft)
         self.verifier = ReplayVerifier(target)
+        self.realised: list[int] = []  # drafts each step of the current generation accepted
+
+    def after_verdict(self, committed: list[int], verdict: Verdict, stats):
+        self.realised.append(len(verdict.accepted_idx))
+        return super().after_verdict(committed, verdict, stats)
 
     def replay(self, prompt_ids: list[int], method: Method, temperature: float, max_new_tokens: int, eos, seed: int):
         """One generation; returns (each step's replay, the generation's stats)."""
@@ -94,6 +114,13 @@ class ReplayGenerator(SpeculativeGenerator):
         res = self.generate(prompt_ids, method, params, max_new_tokens, eos, seed)
         replays, self.verifier.replays = self.verifier.replays, []
         return replays, res.stats
+
+    def coupled(self, prompt_ids: list[int], method: Method, temperature: float, max_new_tokens: int, eos, seed: int):
+        """One generation with the coupled rule; returns the drafts each step accepted."""
+        self.verifier.method, self.realised = None, []
+        params = SamplingParams(temperature=temperature)
+        self.generate(prompt_ids, method, params, max_new_tokens, eos, seed, verification="coupled")
+        return self.realised
 
 
 def mean_interval(xs: list[float]) -> tuple[float, list[float]]:
@@ -141,7 +168,41 @@ def cell_rows(cell: dict) -> list[dict]:
                 "steps_below_token": sum(d < -1e-12 for d in diff),
             }
         )
+    if cell.get("coupled"):
+        rows.append(coupled_row(cell, token))
     return rows
+
+
+def coupled_row(cell: dict, token: list[float]) -> dict:
+    """The coupled rule's row: realised accepted drafts per step, unpaired against the token rule's expectation."""
+    steps, depth = cell["coupled"], max(len(s["law"]["token"]) for s in cell["steps"]) - 1
+    acc = [float(s["accepted"]) for s in steps]
+    mean, ci = mean_interval(acc)
+    t_mean, t_ci = mean_interval(token)
+    half = math.hypot(mean - ci[0], t_mean - t_ci[0])  # unpaired: the two halves add in quadrature
+    survival = [statistics.fmean(a >= d for a in acc) for d in range(1, depth + 1)]
+    by_prompt: dict[int, list[float]] = {}
+    for s in steps:
+        by_prompt.setdefault(s["prompt"], []).append(s["accepted"])
+    return {
+        **{k: cell[k] for k in ("method", "shape", "temperature")},
+        "verification": "coupled",
+        "rule": "coupled",
+        "steps": len(steps),
+        "realised": True,
+        "accepted": round(mean, 5),
+        "accepted_ci95": [round(x, 5) for x in ci],
+        "accepted_by_prompt": [round(statistics.fmean(xs), 4) for xs in by_prompt.values()],
+        "survival": [round(x, 5) for x in survival],
+        "acceptance_by_depth": [
+            round(x / prev, 4) if prev > 0 else 0.0 for x, prev in zip(survival, [1.0, *survival], strict=False)
+        ],
+        "vs_token": round(mean - t_mean, 6),
+        "vs_token_ci95": [round(mean - t_mean - half, 6), round(mean - t_mean + half, 6)],
+        "vs_token_pct": round(100 * (mean - t_mean) / t_mean, 3) if t_mean else 0.0,
+        "steps_above_token": None,
+        "steps_below_token": None,
+    }
 
 
 def run_cells(gen: ReplayGenerator, encoded: list[list[int]], specs, temperatures, args, eos) -> Iterator[dict]:
@@ -164,6 +225,11 @@ def run_cells(gen: ReplayGenerator, encoded: list[list[int]], specs, temperature
                 replays, stats = gen.replay(ids, method, temperature, args.max_new_tokens, eos, args.seed + i)
                 cell["steps"] += [{"prompt": i, "law": law} for law in replays]
                 cell["realised_accepted"] += sum(stats.accepted_by_depth)
+            if args.coupled and runs_coupled(method):
+                cell["coupled"] = []
+                for i, ids in enumerate(encoded):
+                    realised = gen.coupled(ids, method, temperature, args.max_new_tokens, eos, args.seed + i)
+                    cell["coupled"] += [{"prompt": i, "accepted": a} for a in realised]
             cell["wall_s"] = round(time.perf_counter() - t0, 1)
             rows = cell_rows(cell)
             print(
@@ -179,8 +245,9 @@ def compact(cell: dict) -> dict:
     """What the JSON keeps of a cell: per step its prompt and each rule's expected accepted drafts."""
     steps = cell["steps"]
     return {
-        **{k: v for k, v in cell.items() if k != "steps"},
+        **{k: v for k, v in cell.items() if k not in ("steps", "coupled")},
         "steps": len(steps),
+        **({"coupled_accepted": [s["accepted"] for s in cell["coupled"]]} if cell.get("coupled") else {}),
         "step_prompt": [s["prompt"] for s in steps],
         "step_expected": {v: [round(expected(s["law"][v]), 6) for s in steps] for v in cell["verifications"]},
     }
@@ -211,6 +278,8 @@ def markdown(result: dict) -> str:
         "- figures: expected accepted draft tokens per step on each recorded tree, exactly "
         "(rsd.acceptance.accepted_length_law), averaged over the steps; 95% interval over steps "
         "(mean +- 1.96 s / sqrt(n)); `- token`: the paired difference to the method's token rule on the same trees",
+        "- `coupled (realised)`: the coupled rule's own run (its trees drawn from Stream.COUPLED), drafts it accepted "
+        "per step; `- token` is then unpaired (intervals added in quadrature)",
         "",
         "| method | shape | T | steps | rule | accepted / step | 95% interval | - token | 95% interval | % | "
         "steps above / below token |",
@@ -222,12 +291,12 @@ def markdown(result: dict) -> str:
         token = r["verification"] == "token"
         lines.append(
             f"| {r['method']} | {r['shape']} | {r['temperature']:g} | {r['steps']} | {r['verification']} "
-            f"({r['rule']}) | {r['accepted']:.4f} | [{lo:.4f}, {hi:.4f}] | "
+            f"({'realised' if r.get('realised') else r['rule']}) | {r['accepted']:.4f} | [{lo:.4f}, {hi:.4f}] | "
             + (
                 "– | – | – | – |"
                 if token
                 else f"{_f(r['vs_token'])} | [{dlo:+.4f}, {dhi:+.4f}] | {r['vs_token_pct']:+.2f} | "
-                f"{r['steps_above_token']} / {r['steps_below_token']} |"
+                + ("unpaired |" if r.get("realised") else f"{r['steps_above_token']} / {r['steps_below_token']} |")
             )
         )
     lines += [
@@ -289,6 +358,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="q8_activations",
         choices=NUMERICS,
         help="both GGUF models' numeric mode (default %(default)s, the faster on a CPU; exact for other models)",
+    )
+    ap.add_argument(
+        "--coupled",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run each method the coupled rule pairs with a second time under it (default on)",
     )
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default %(default)s)")
     ap.add_argument("--name", default=None, help="result file stem (default rule-replay-<CPU feature>)")
@@ -355,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
             "max_new_tokens": args.max_new_tokens,
             "seed": args.seed,
             "numeric": args.numeric,
+            "coupled": args.coupled,
             "eos_token_ids": list(eos),
         },
         "rows": [],

@@ -28,9 +28,10 @@ from torch import Tensor
 
 from rsd.acceptance import Rule, Verdict, verify
 from rsd.constraint import Guide, mask_logits
+from rsd.coupled import coupled_token
 from rsd.methods import Method
 from rsd.penalties import TokenCounts, counts_at
-from rsd.random import Draw, StepRandom
+from rsd.random import Draw, StepRandom, Stream
 from rsd.sampling import SamplingParams, logits_to_probs, proposal_probs, sample
 from rsd.tree import DraftTree, path_to
 from rsd_runtime.runner import Forward, ModelRunner
@@ -166,7 +167,7 @@ class Drafter:
         rng: StepRandom,
         stop: Callable[[], bool] | None = None,
     ) -> DraftTree:
-        """The next tree; rng: StepRandom(seed, Stream.DRAFT, len(committed) - 1). stop is asked before
+        """The next tree; rng: StepRandom(seed, rule.draft_stream, len(committed) - 1). stop is asked before
         each forward; when it says True the draft raises DraftStopped. The tree is on the CPU (what the
         wire sends); the laws are drawn from on the draft model's device."""
         self.proposal = ModelProposal(
@@ -231,13 +232,19 @@ class Verifier:
     def step_autoregressive(
         self, committed: list[int], params: SamplingParams, rng: StepRandom, guide: Guide | None = None
     ) -> int:
-        """The target alone: one token from its law at the root (the draw (Draw.TOKEN, node 0))."""
+        """The target alone: one token from its law at the root (the draw (Draw.TOKEN, node 0)); with rng of
+        Stream.COUPLED, argmax log q + G with the coupled rule's noise (rsd.coupled: what speculation under that rule
+        emits, token for token)."""
         token_ids, parents = torch.tensor(committed[-1:]), torch.tensor([-1])
         logits = forward_with_catch_up(self.runner, committed, token_ids, parents)  # [1, V]
         if guide is not None:
             logits = mask_logits(logits, guide.tree_masks(committed, token_ids, parents, logits.shape[-1]))
         counts = self._counts(params, committed, token_ids, parents, torch.zeros(1, dtype=torch.long), logits)
         zero = torch.zeros((), dtype=torch.long, device=logits.device)
-        token = int(sample(logits_to_probs(logits, params, counts)[0], rng.uniform(Draw.TOKEN, zero, zero)))
+        probs = logits_to_probs(logits, params, counts)[0]  # [V]
+        if rng.stream is Stream.COUPLED:
+            token = coupled_token(probs.double(), rng, 0)
+        else:
+            token = int(sample(probs, rng.uniform(Draw.TOKEN, zero, zero)))
         self.runner.commit(list(range(self._offset(committed) + 1)))
         return token

@@ -89,6 +89,7 @@ class Step:
     params: SamplingParams
     seed: int
     finishes: Callable[[list[int]], bool]  # whether committing these tokens ends the generation
+    draft_stream: Stream = Stream.DRAFT  # what the drafter draws from (Rule.draft_stream)
 
 
 class Finish(Enum):
@@ -138,7 +139,9 @@ class SpeculativeGenerator:
         verification: str = "token",
         constraint: TokenAutomaton | None = None,
     ) -> GenerationResult:
-        """verification: which exact rule judges the trees ("token", "traversal", "block"; rsd.methods).
+        """verification: which exact rule judges the trees ("token", "traversal", "block", "coupled"; rsd.methods).
+        Without a method (the target alone), "coupled" samples with that rule's noise: the tokens speculation under
+        the coupled rule emits with the same seed.
         constraint: structured output (rsd.constraint); the new tokens follow it, every law masked per node."""
         params = params or SamplingParams()
         if not prompt_ids:
@@ -161,7 +164,8 @@ class SpeculativeGenerator:
         while len(committed) - start < max_new_tokens:
             if method is None:
                 t = time.perf_counter()
-                rng = StepRandom(seed, Stream.VERIFY, len(committed) - 1)
+                stream = Stream.COUPLED if verification == "coupled" else Stream.VERIFY  # coupled: the same tokens
+                rng = StepRandom(seed, stream, len(committed) - 1)
                 new = [self.verifier.step_autoregressive(committed, params, rng, self.guide)]
                 stats.verify_s += time.perf_counter() - t
             else:
@@ -193,9 +197,9 @@ class SpeculativeGenerator:
         t = time.perf_counter()
         tree, self._next_tree = self._next_tree, None
         if tree is None:
-            tree = self.drafter.draft(committed, method, params, StepRandom(seed, Stream.DRAFT, root_position))
+            tree = self.drafter.draft(committed, method, params, StepRandom(seed, rule.draft_stream, root_position))
         stats.draft_forwards += self.drafter.num_forwards
-        self.before_verify(Step(committed, tree, method, params, seed, finishes))
+        self.before_verify(Step(committed, tree, method, params, seed, finishes, rule.draft_stream))
         t_verify = time.perf_counter()
         rng = StepRandom(seed, Stream.VERIFY, root_position)
         verdict = self.verifier.verify(committed, tree, rule, params, rng, self.guide)

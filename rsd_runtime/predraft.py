@@ -88,10 +88,18 @@ class PreDrafter:
     """Pre-drafts for one sent tree at a time (see the module docstring). Not thread-safe: one
     thread at a time, and nothing else may use the drafter between begin() and take()."""
 
-    def __init__(self, drafter: Drafter, method: Method, params: SamplingParams, seed: int, max_outcomes: int):
+    def __init__(
+        self,
+        drafter: Drafter,
+        method: Method,
+        params: SamplingParams,
+        seed: int,
+        max_outcomes: int,
+        stream: Stream = Stream.DRAFT,  # the drafter's stream, Rule.draft_stream
+    ):
         if max_outcomes < 1:
             raise ValueError(f"max_outcomes must be >= 1, got {max_outcomes}")
-        self.drafter, self.method, self.params, self.seed = drafter, method, params, seed
+        self.drafter, self.method, self.params, self.seed, self.stream = drafter, method, params, seed, stream
         self.max_outcomes = max_outcomes
         self.drafts: dict[Outcome, PreDraft] = {}
         self.num_forwards = 0  # draft forwards spent pre-drafting for the current tree
@@ -215,7 +223,7 @@ class PreDrafter:
         path, token = outcome
         prefix = self.committed + self.tree.token_ids[list(path)].tolist() + [token]
         commit_path(drafter.runner, self.committed, self.sent.tentative_of, list(path))
-        rng = StepRandom(self.seed, Stream.DRAFT, len(prefix) - 1)
+        rng = StepRandom(self.seed, self.stream, len(prefix) - 1)
         return prefix, drafter.draft(prefix, self.method, self.params, rng, stop)
 
     def _draft(self, outcome: Outcome, stop: Callable[[], bool] | None) -> PreDraft:
@@ -306,7 +314,9 @@ class PipelinedGenerator(SpeculativeGenerator):
 
     def before_verify(self, step: Step) -> None:
         if self._pre is None:
-            self._pre = PreDrafter(self.drafter, step.method, step.params, step.seed, self.max_outcomes)
+            self._pre = PreDrafter(
+                self.drafter, step.method, step.params, step.seed, self.max_outcomes, step.draft_stream
+            )
         self._pre.begin(step.committed, step.tree, step.finishes)
         while self._pre.draft_next() if self.width == 1 else self._pre.draft_wave(self.width):
             pass

@@ -111,7 +111,7 @@ class RsdClient:
         Parameters left None take the gateway's defaults (new session) or the session's (continuation).
         top_logprobs (0..20): each TokenDelta carries its tokens' logprobs with that many top tokens each;
         logprobs_mode: which figures (rsd.logprobs; None: the gateway's --logprobs-mode, or the session's).
-        verification: "token" (the default), "traversal" or "block" (rsd.methods; the verifier applies it).
+        verification: "token" (the default), "traversal", "block" or "coupled" (rsd.methods; the verifier applies it).
         adaptive_shape: the drafter picks each step's shape up to `shape` (rsd.shape_control); this turn only."""
         request = gateway_pb2.GenerateRequest(session_id=session_id, request_id=request_id)
         if sum(x is not None for x in (prompt, token_ids, messages)) > 1:

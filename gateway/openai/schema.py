@@ -14,7 +14,7 @@ its events by `Reply`. What is supported of OpenAI's API:
               structured_outputs (vLLM's extra field: regex, json, choice), one of the two (rsd.constraint)
     rsd's own (extra body fields): method, shape, top_k, repetition_penalty (> 0, 1 = off; vLLM's), session_id
     (continue that session: its committed tokens, then this request's prompt or messages), verification ("token",
-    "traversal", "block": the exact rule that verifies the trees, rsd.methods), adaptive_shape (true: the drafter
+    "traversal", "block", "coupled": the exact rule that verifies the trees, rsd.methods), adaptive_shape (true: the drafter
     picks each step's shape up to `shape`, rsd.shape_control; sd, spectr and rsd_s only), logprobs_mode (vLLM's
     engine argument, per request here: raw_logprobs, raw_logits, processed_logprobs, processed_logits; rsd.logprobs;
     absent = the gateway's --logprobs-mode)
@@ -141,7 +141,7 @@ class _GenerateBody(_Body):
     shape: str | None = None
     top_k: int | None = Field(None, ge=0)
     session_id: str | None = None
-    verification: str | None = None  # "token", "traversal" or "block"; the gateway checks it (params.verification)
+    verification: str | None = None  # "token", "traversal", "block", "coupled"; checked (params.verification)
     logprobs_mode: str | None = None  # vLLM's (its engine argument): which figures logprobs are (rsd.logprobs)
     adaptive_shape: bool = False  # the drafter picks each step's shape up to `shape` (rsd.shape_control)
     logit_bias: dict[str, float] | None = None  # OpenAI's

@@ -102,6 +102,8 @@ VERIFICATION_CASES = [
     ("spectr", "2x3", "traversal", "traversal_with_replacement"),
     ("rsd_c", "2,2,1", "traversal", "traversal"),
     ("rsd_s", "3x3", "traversal", "traversal"),
+    ("rsd_s", "3x3", "coupled", "coupled"),  # the drafter draws from Stream.COUPLED (Rule.draft_stream)
+    ("rsd_c", "2,2,1", "coupled", "coupled"),
 ]
 
 

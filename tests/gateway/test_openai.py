@@ -248,6 +248,18 @@ def test_verification_extra_field_equals_grpc(gw, stream):
     with pytest.raises(openai.BadRequestError) as info:  # spectr drafts trees: block is not exact for it
         client.completions.create(model=MODEL, prompt=PROMPT, extra_body={"method": "spectr", "verification": "block"})
     assert info.value.param == "verification" and "one chain only" in info.value.message
+    # coupled: the target samples with the drafter's noise, so the seeded text is the same whatever the method
+    coupled = [
+        client.completions.create(model=MODEL, extra_body={"method": m, "verification": "coupled"}, **kwargs)
+        for m in ("rsd_s", "sd")
+    ]
+    assert coupled[0].choices[0].text == coupled[1].choices[0].text
+    assert coupled[0].model_extra["metrics"]["speculative_decoding"]["acceptance_rule"] == "coupled"
+    with pytest.raises(openai.BadRequestError) as info:  # spectr's children are i.i.d., not Gumbel-Top-K
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, extra_body={"method": "spectr", "verification": "coupled"}
+        )
+    assert info.value.param == "verification" and "Gumbel-Top-K" in info.value.message
 
 
 @pytest.mark.parametrize("stream", [False, True])

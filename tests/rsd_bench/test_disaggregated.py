@@ -19,11 +19,12 @@ def test_tiny_run_writes_every_field(tmp_path):
     argv += ["--predraft", "on:2", "--cache-dir", str(tmp_path / "cache"), "--out-dir", str(tmp_path), "--name", "d"]
     argv += ["--ar-dtypes", "bfloat16"]  # the target alone in float32 (the verifier's) and bfloat16
     argv += ["--drafter-args", "--predraft-outcomes 2"]  # passed to the drafter, recorded
-    argv += ["--verification", "traversal"]  # applied by the verifier (T = 0: greedy all the same), recorded
+    argv += ["--verification", "traversal,coupled"]  # each applied by the verifier (T = 0: greedy all the same)
     assert disaggregated.main(argv) == 0
     result = json.loads((tmp_path / "d.json").read_text())
     assert result["complete"] is True and (tmp_path / "d.md").exists() and (tmp_path / "d-tokens-per-s.png").exists()
-    (row,) = result["rows"]
+    row, coupled = result["rows"]
+    assert coupled["verification"] == "coupled" and coupled["matches_ar"] is True
     fields = {"method", "shape", "temperature", "pipelined", "tokens_per_s", "block_efficiency", "predraft_hit_rate"}
     fields |= {"matches_ar", "speedup_vs_ar_same_core", "speedup_vs_ar_whole_machine", "block_efficiency_ci95"}
     assert fields <= set(row)
@@ -40,3 +41,5 @@ def test_tiny_run_writes_every_field(tmp_path):
     assert (placement["drafter_cores"], placement["verifier_cores"], placement["gateway_cores"]) == ("0", "1", "0")
     with pytest.raises(SystemExit, match="block verification is exact for one chain only"):  # before any start
         disaggregated.main([*argv, "--methods", "rsd_s:3x4", "--verification", "block"])
+    with pytest.raises(SystemExit):  # argparse: an unknown verification, before any start
+        disaggregated.main([*argv, "--verification", "token,bogus"])

@@ -38,6 +38,32 @@ def test_replay_leaves_the_output_and_replays_every_tree(tiny_pair):
         assert all(len(p) == 3 and abs(sum(p) - 1) < 1e-9 for p in law.values())
 
 
+def test_coupled_run_records_what_each_step_accepted(tiny_pair):
+    draft_dir, target_dir = tiny_pair
+    draft, target = load_model(draft_dir), load_model(target_dir)
+    prompt, method = [3, 9, 4, 7], Method.parse("rsd_s", "2x2")
+    plain = SpeculativeGenerator(ModelRunner(target, 64), ModelRunner(draft, 64))
+    want = plain.generate(prompt, method, SamplingParams(temperature=1.0), 12, (), seed=5, verification="coupled")
+    gen = rule_replay.ReplayGenerator(ModelRunner(target, 64), ModelRunner(draft, 64))
+    realised = gen.coupled(prompt, method, 1.0, 12, (), seed=5)
+    assert len(realised) == want.stats.target_calls and sum(realised) == sum(want.stats.accepted_by_depth)
+    assert gen.verifier.replays == []  # nothing replayed on the coupled rule's trees
+    assert rule_replay.runs_coupled(method) and not rule_replay.runs_coupled(Method.parse("spectr", "2x2"))
+
+
+def test_coupled_row_is_unpaired():
+    laws = [{"token": [0.5, 0.5]}, {"token": [1.0, 0.0]}]
+    cell = {"method": "rsd_c", "shape": "2", "temperature": 1.0, "verifications": ["token"], "rules": {"token": "rrs"}}
+    cell |= {"steps": [{"prompt": 0, "law": x} for x in laws]}
+    cell["coupled"] = [{"prompt": 0, "accepted": 1}, {"prompt": 0, "accepted": 0}, {"prompt": 1, "accepted": 1}]
+    _, coupled = rule_replay.cell_rows(cell)
+    assert coupled["verification"] == "coupled" and coupled["realised"] and coupled["steps"] == 3
+    assert abs(coupled["accepted"] - 2 / 3) < 1e-5 and abs(coupled["vs_token"] - (2 / 3 - 0.25)) < 1e-5
+    assert coupled["survival"] == [round(2 / 3, 5)] and coupled["steps_above_token"] is None
+    lo, hi = coupled["vs_token_ci95"]
+    assert lo < coupled["vs_token"] < hi
+
+
 def test_verifications_per_method():
     assert rule_replay.verifications(Method.parse("sd", "4")) == ["token", "traversal", "block"]
     assert rule_replay.verifications(Method.parse("rsd_s", "2x3")) == ["token", "traversal"]
@@ -62,7 +88,8 @@ def test_bench_tiny_writes_the_result(tiny_pair, tmp_path):
     result = json.loads((tmp_path / "tiny.json").read_text())
     assert result["benchmark"] == "rule_replay" and result["complete"] and result["machine"]["cpu_flags"] is not None
     by = {(r["method"], r["verification"]): r for r in result["rows"]}
-    sd, spectr = (("sd", v) for v in ("token", "traversal", "block")), (("spectr", v) for v in ("token", "traversal"))
+    sd = (("sd", v) for v in ("token", "traversal", "block", "coupled"))  # coupled: its own run (realised)
+    spectr = (("spectr", v) for v in ("token", "traversal"))
     assert set(by) == {*sd, *spectr}
     assert by[("spectr", "token")]["rule"] == "kseq"
     assert by[("spectr", "traversal")]["rule"] == "traversal_with_replacement"
@@ -70,6 +97,7 @@ def test_bench_tiny_writes_the_result(tiny_pair, tmp_path):
     assert by[("sd", "block")]["accepted"] == pytest.approx(by[("sd", "traversal")]["accepted"], abs=1e-9)
     cell = result["cells"][0]
     assert len(cell["step_prompt"]) == cell["steps"] == by[("sd", "token")]["steps"]
+    assert by[("sd", "coupled")]["realised"] and sum(cell["coupled_accepted"]) >= 0
     assert "best rule vs token" in headline(result)
     assert (tmp_path / "tiny.md").read_text().startswith("# tiny")
 

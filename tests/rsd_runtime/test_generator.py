@@ -183,6 +183,34 @@ def test_first_tokens_follow_the_penalised_target_law(tiny_vocab_pair):
     assert chi_square_pvalue(counts, target_law_two_tokens(target, prompt, SamplingParams(1.0)), n) < 1e-8
 
 
+@torch.inference_mode()
+def target_alone_coupled(model, prompt: list[int], params: SamplingParams, seed: int, n: int) -> list[int]:
+    """The target alone, each token argmax log q + G with Stream.COUPLED's noise of its position (rsd.coupled)."""
+    from rsd.coupled import coupled_token
+    from rsd.sampling import logits_to_probs
+
+    ids = list(prompt)
+    for _ in range(n):
+        q = logits_to_probs(model(torch.tensor([ids])).logits[0, -1], params).double()
+        ids.append(coupled_token(q, StepRandom(seed, Stream.COUPLED, len(ids) - 1), 0))
+    return ids[len(prompt) :]
+
+
+@pytest.mark.parametrize(("name", "shape"), [("sd", "4"), ("rsd_c", "2,2,1"), ("rsd_s", "3x4"), ("rsd_s", "3x6@0.3")])
+def test_coupled_rule_emits_the_target_alones_gumbel_max_sampling(pair, name, shape):
+    """With the coupled rule the output is, token for token, the target alone sampling with the same noise
+    (rsd.coupled), through the real runners at T = 0.8 with top-k and top-p; and some drafts are accepted."""
+    draft, target = pair
+    gen = SpeculativeGenerator(ModelRunner(target, 256), ModelRunner(draft, 256))
+    for seed, params in enumerate([SamplingParams(0.8), SamplingParams(0.8, top_k=20, top_p=0.9)]):
+        for prompt in PROMPTS:
+            out = gen.generate(prompt, Method.parse(name, shape), params, 16, seed=seed, verification="coupled")
+            assert out.token_ids == target_alone_coupled(target, prompt, params, seed, 16)
+            assert out.stats.rule == "coupled"
+            alone = gen.generate(prompt, None, params, 16, seed=seed, verification="coupled")  # speculation off
+            assert alone.token_ids == out.token_ids
+
+
 def test_verification_is_recorded_and_a_pairing_that_is_not_exact_is_refused(tiny_vocab_pair):
     draft, target = tiny_vocab_pair
     gen = SpeculativeGenerator(ModelRunner(target, 64), ModelRunner(draft, 64))

@@ -163,11 +163,17 @@ def test_pipelined_equals_plain_with_penalties(pair, width):
 
 @pytest.mark.parametrize(
     ("name", "shape", "verification"),
-    [("sd", "3", "traversal"), ("sd", "3", "block"), ("specinfer", "2,2", "traversal"), ("rsd_c", "2,1", "traversal")],
+    [
+        ("sd", "3", "traversal"),
+        ("sd", "3", "block"),
+        ("specinfer", "2,2", "traversal"),
+        ("rsd_c", "2,1", "traversal"),
+        ("rsd_s", "2x2", "coupled"),  # pre-drafts from the rule's stream too
+    ],
 )
 def test_pipelined_equals_plain_with_every_verification(pair, name, shape, verification):
-    """The rule changes only verification: pre-drafting drafts the same trees for the same verdicts, so a
-    pipelined run equals the plain one token for token whichever exact rule judges the trees."""
+    """Pre-drafting drafts the same trees for the same verdicts (from the rule's draft stream), so a pipelined
+    run equals the plain one token for token whichever exact rule judges the trees."""
     draft, target = pair
     plain = SpeculativeGenerator(ModelRunner(target, MAX_LEN), ModelRunner(draft, MAX_LEN))
     piped = PipelinedGenerator(ModelRunner(target, MAX_LEN), ModelRunner(draft, MAX_LEN), max_outcomes=3)
