@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 
 from rsd.logprobs import LOGPROBS_MODES, RAW_LOGPROBS
-from rsd.methods import Method
+from rsd.methods import VERIFICATIONS, Method
 from rsd_service.config import PeerTLSConfig, ServiceConfig
 
 _SERVICE = re.compile(r"([A-Za-z0-9._-]{1,128})=([^=,\s]+:\d+)")
@@ -75,6 +75,10 @@ class GatewayConfig(PeerTLSConfig, ServiceConfig):
     # Which figures logprobs are when a request does not say (params.logprobs_mode; vLLM's engine argument
     # --logprobs-mode, whose default this is): raw_logprobs, raw_logits, processed_logprobs or processed_logits.
     logprobs_mode: str = RAW_LOGPROBS
+    # The exact rule that verifies a request's trees when it does not say (params.verification, rsd.methods):
+    # token, traversal, block (chain shapes only) or coupled (sd, rsd_c, rsd_s). A request it does not suit is
+    # refused with INVALID_ARGUMENT / 400 naming params.verification, as if it had asked for it.
+    verification: str = "token"
 
     def checks(self) -> dict[str, bool]:
         return {
@@ -91,6 +95,7 @@ class GatewayConfig(PeerTLSConfig, ServiceConfig):
             "request_timeout_s": self.request_timeout_s >= 0,
             "http_port": -1 <= self.http_port < 65536,
             "logprobs_mode": self.logprobs_mode in LOGPROBS_MODES,
+            "verification": self.verification in VERIFICATIONS,
         }
 
     def __post_init__(self) -> None:

@@ -116,7 +116,7 @@ def default_params(config: GatewayConfig) -> dict[str, Any]:
         "logprobs": False,
         "top_logprobs": 0,
         "logprobs_mode": config.logprobs_mode,  # kept by a continuation that does not set it
-        "verification": "token",
+        "verification": config.verification,  # kept by a continuation that does not set it
         "adaptive_shape": False,
         "constraint": None,  # structured output: [kind, value] (rsd.constraint.Constraint), the turn's own
     }

@@ -14,8 +14,8 @@ its events by `Reply`. What is supported of OpenAI's API:
               structured_outputs (vLLM's extra field: regex, json, choice), one of the two (rsd.constraint)
     rsd's own (extra body fields): method, shape, top_k, repetition_penalty (> 0, 1 = off; vLLM's), session_id
     (continue that session: its committed tokens, then this request's prompt or messages), verification ("token",
-    "traversal", "block", "coupled": the exact rule that verifies the trees, rsd.methods), adaptive_shape (true: the drafter
-    picks each step's shape up to `shape`, rsd.shape_control; sd, spectr and rsd_s only), logprobs_mode (vLLM's
+    "traversal", "block", "coupled": the exact rule that verifies the trees, rsd.methods), adaptive_shape (true: the
+    drafter picks each step's shape up to `shape`, rsd.shape_control; sd, spectr and rsd_s only), logprobs_mode (vLLM's
     engine argument, per request here: raw_logprobs, raw_logits, processed_logprobs, processed_logits; rsd.logprobs;
     absent = the gateway's --logprobs-mode)
     /tokenize, /detokenize  vLLM's bodies (TokenizeCompletionRequest / TokenizeChatRequest, DetokenizeRequest)

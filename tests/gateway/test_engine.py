@@ -63,6 +63,9 @@ def test_config_checks_its_defaults():
         GatewayConfig(drafters="localhost:1")
     with pytest.raises(ValueError, match="logprobs_mode"):
         GatewayConfig(logprobs_mode="processed")
+    with pytest.raises(ValueError, match="verification"):
+        GatewayConfig(verification="gumbel")
+    assert default_params(GatewayConfig(verification="coupled"))["verification"] == "coupled"
 
 
 def test_params_merge_and_validate():
