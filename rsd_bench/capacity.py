@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 
 from rsd.methods import Method
-from rsd_bench.disaggregated import add_model_flags, ar_summary, run_ar
+from rsd_bench.disaggregated import add_model_flags, ar_summary, load_workload, run_ar
 from rsd_bench.net import start_relay_cluster
 from rsd_bench.simulate import Pool, Site, simulate
 from rsd_tools.defaults import RESULTS_DIR
@@ -272,19 +272,12 @@ def main(argv: list[str] | None = None) -> int:
         result["comparisons_recomputed_at"] = git_commit()  # the measurement's commit stays in "commit"
         write_result(args.out_dir, args.name, *summarise(result, rate, args.sim_steps))
         return 0
-    from rsd_bench.prompts import stdlib_prompts
-    from rsd_runtime.tokenizer import load_tokenizer
-    from rsd_tools.launcher import model_dirs
 
     ns = sorted({int(n) for n in args.clients.split(",")})
     if ns[0] < 1:
         raise SystemExit("error: --clients must be positive")
     Method.parse(*args.method.split(":", 1))  # refused before anything starts
-    draft, target = model_dirs(args.draft, args.target, args.cache_dir, args.tiny)
-    tok = load_tokenizer(target)
-    texts = [p["prompt"] for p in stdlib_prompts(args.num_prompts, args.prompt_seed)]
-    prompts = [tok(text)["input_ids"] for text in texts]
-    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    draft, target, texts, prompts, eos = load_workload(args)
     machine = machine_info()
     t_start = time.perf_counter()
 

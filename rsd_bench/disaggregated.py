@@ -39,6 +39,22 @@ from rsd_tools.defaults import RESULTS_DIR
 SPLIT = ("draft_ms", "transfer_ms", "queue_ms", "verify_ms", "residual_ms", "step_ms")
 
 
+def load_workload(args) -> tuple[Path, Path, list[str], list[list[int]], list[int]]:
+    """What every services benchmark runs (disaggregated, net, capacity): the pair's folders (--draft / --target,
+    or --tiny), the stdlib prompts (--num-prompts, --prompt-seed) and their ids under the target's tokenizer, and
+    its EOS. -> (draft dir, target dir, prompt texts, prompt ids, eos ids)."""
+    from rsd_bench.prompts import stdlib_prompts
+    from rsd_runtime.tokenizer import load_tokenizer
+    from rsd_tools.launcher import model_dirs
+
+    draft, target = model_dirs(args.draft, args.target, args.cache_dir, args.tiny)
+    tok = load_tokenizer(target)
+    texts = [p["prompt"] for p in stdlib_prompts(args.num_prompts, args.prompt_seed)]
+    prompts = [tok(text)["input_ids"] for text in texts]
+    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    return draft, target, texts, prompts, eos
+
+
 def add_model_flags(ap: argparse.ArgumentParser) -> None:
     """The pair and how each side computes: the flags every services benchmark takes (disaggregated, net, capacity)."""
     ap.add_argument("--draft", type=Path)
@@ -279,15 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.gateway_cores is None:  # the drafter's core: the verifier's forward is the critical path
         args.gateway_cores = args.drafter_cores
     from rsd_bench.machine import machine_info, run_record, write_result
-    from rsd_bench.prompts import stdlib_prompts
-    from rsd_runtime.tokenizer import load_tokenizer
-    from rsd_tools.launcher import model_dirs
 
-    draft, target = model_dirs(args.draft, args.target, args.cache_dir, args.tiny)
-    tok = load_tokenizer(target)
-    texts = [p["prompt"] for p in stdlib_prompts(args.num_prompts, args.prompt_seed)]
-    prompts = [tok(text)["input_ids"] for text in texts]
-    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    draft, target, texts, prompts, eos = load_workload(args)
     temps = _temperatures(args)
     methods = [m.split(":", 1) for m in args.methods.split(";")]
     verifications = args.verification.split(",")

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from rsd.methods import Method
 from rsd.shape_control import adaptive_family
-from rsd_bench.disaggregated import add_model_flags, ar_summary, run_ar, service_runs
+from rsd_bench.disaggregated import add_model_flags, ar_summary, load_workload, run_ar, service_runs
 from rsd_bench.netem import DelayRelay
 from rsd_tools.defaults import RESULTS_DIR
 
@@ -202,9 +202,6 @@ def compare(rows: list[dict], runs: dict, ar: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from rsd_bench.machine import machine_info, run_record, write_result
-    from rsd_bench.prompts import stdlib_prompts
-    from rsd_runtime.tokenizer import load_tokenizer
-    from rsd_tools.launcher import model_dirs
 
     delays = [float(d) for d in args.delays.split(",")]
     temps = [float(t) for t in args.temperatures.split(",")]
@@ -214,11 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         Method.parse(name, shape)
     for name, shape in adaptives:
         adaptive_family(Method.parse(name, shape))
-    draft, target = model_dirs(args.draft, args.target, args.cache_dir, args.tiny)
-    tok = load_tokenizer(target)
-    texts = [p["prompt"] for p in stdlib_prompts(args.num_prompts, args.prompt_seed)]
-    prompts = [tok(text)["input_ids"] for text in texts]
-    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    draft, target, texts, prompts, eos = load_workload(args)
     machine = machine_info()
     t_start = time.perf_counter()
 
