@@ -507,46 +507,50 @@ class GatewayEngine:
         return turn, started
 
     async def _drive(self, turn: Turn) -> None:
-        """The turn, in the background: runs, failovers, the final status; events go to turn.events."""
+        """The turn, in the background: runs, failovers, the final status; events go to turn.events. The final
+        status is written before the last event goes out, so a client that has seen the end reads it too."""
         t0 = time.perf_counter()  # the caller holds turn.drafter and turn.verifier (ServiceDirectory.hold)
         status, reason = SessionStatus.FAILED, common_pb2.FINISH_REASON_UNSPECIFIED
+        last: gateway_pb2.GenerateEvent | BaseException | None = None
         lease = asyncio.create_task(
             keep_lease(self.store, turn, self.config.turn_lease_s), name=f"lease-{turn.session_id}"
         )
         try:
             reason, position, num_steps = await self.runner.run_in_time(turn)
             status = SessionStatus.CANCELLED if reason == common_pb2.FINISH_REASON_CANCELLED else SessionStatus.FINISHED
-            await turn.events.put(
-                gateway_pb2.GenerateEvent(
-                    session_id=turn.session_id,
-                    finished=gateway_pb2.GenerationFinished(
-                        reason=reason,
-                        num_new_tokens=position - turn.turn_start,
-                        committed_length_tokens=position,
-                        num_steps=num_steps,
-                        elapsed_ms=(time.perf_counter() - t0) * 1000,
-                    ),
-                )
+            last = gateway_pb2.GenerateEvent(
+                session_id=turn.session_id,
+                finished=gateway_pb2.GenerationFinished(
+                    reason=reason,
+                    num_new_tokens=position - turn.turn_start,
+                    committed_length_tokens=position,
+                    num_steps=num_steps,
+                    elapsed_ms=(time.perf_counter() - t0) * 1000,
+                ),
             )
         except BaseException as e:
             log.warning("session %s turn failed: %s", turn.session_id, e)
             if isinstance(e, SessionConflict):  # a newer epoch began elsewhere (a takeover)
                 e = TurnFailed(f"session {turn.session_id!r} moved on without this turn: {e}", grpc.StatusCode.ABORTED)
-            await turn.events.put(e)
+            last = e
             if isinstance(e, asyncio.CancelledError):
                 raise
         finally:
             lease.cancel()
             self.services.hold((turn.drafter, turn.verifier), -1)
             self._turns.pop(turn.session_id, None)
-            with contextlib.suppress(SessionConflict, SessionNotFound):
-                await self._store(
-                    self.store.update_session,
-                    turn.session_id,
-                    status=status,
-                    finish_reason=finish_reason_name(reason) if reason else "",
-                    epoch=turn.epoch,
-                )
+            try:
+                with contextlib.suppress(SessionConflict, SessionNotFound):
+                    await self._store(
+                        self.store.update_session,
+                        turn.session_id,
+                        status=status,
+                        finish_reason=finish_reason_name(reason) if reason else "",
+                        epoch=turn.epoch,
+                    )
+            finally:  # the client hears the end even when the store is down
+                if last is not None:
+                    await turn.events.put(last)
             if status == SessionStatus.CANCELLED:
                 await self.runner.release(turn.verifier, turn.session_id, turn.epoch)
 

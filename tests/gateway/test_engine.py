@@ -338,6 +338,36 @@ def test_cancel_and_busy_session(loop, pair, store):
     assert session.last_finish_reason == common_pb2.FINISH_REASON_CANCELLED
 
 
+class SlowFinish:
+    """A real store whose write of a turn's final status is slow: the window in which a client that has seen
+    the end of its stream could still read RUNNING if the gateway sent the end before writing it."""
+
+    def __init__(self, store, delay_s: float):
+        self._store, self._delay_s = store, delay_s
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    def update_session(self, session_id, **fields):
+        if "finish_reason" in fields:
+            time.sleep(self._delay_s)
+        return self._store.update_session(session_id, **fields)
+
+
+def test_a_finished_stream_reads_finished_in_the_store(loop, pair, store):
+    s = start_stack(loop, pair, SlowFinish(store, 0.3))
+    try:
+        with s.client() as client:
+            gen = client.generate(PROMPT, max_new_tokens=6, **greedy()).wait()
+            session = client.get_session(gen.session_id)
+            again = client.cancel(gen.session_id)
+            follow = client.generate("w5", session_id=gen.session_id, max_new_tokens=2, **greedy()).wait()
+    finally:
+        s.stop()
+    assert session.status == gateway_pb2.SESSION_STATUS_FINISHED and not again.was_running
+    assert follow.finished.num_new_tokens == 2  # not refused as busy
+
+
 def _orphan(store, pair, committed: int) -> tuple[str, list[int], list[int]]:
     """A session as a gateway leaves it when it dies mid-turn: RUNNING at epoch 1, `committed` tokens of its
     greedy run in. -> (session id, prompt ids, the whole greedy run)."""
