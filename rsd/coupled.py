@@ -19,7 +19,9 @@ it emits y where y is not (a correction token) or at a leaf (the bonus token).
 The noise. Under this rule the drafter draws from Stream.COUPLED, whose Gumbel noise is keyed by the
 absolute position of the token it picks and the token id, not by node (rsd.random.StepRandom.gumbel):
 every node at one depth shares its position's noise G_t, and the verifier recomputes G_t from the
-session's seed. Rule.draft_stream tells the drafter which stream to draw from.
+session's seed. Rule.draft_stream tells the drafter which stream to draw from. G = -log T for arrival
+times T drawn in blocks (StepRandom.arrivals), so that the verifier draws only the few tokens that can win
+(coupled_token), not the whole vocabulary.
 
 Why it is exact, and more than exact. Induction on t: the token emitted at position t is
 y_t = argmax_v log q(v | y_<t) + G_t(v), whatever was drafted: the walk takes y_t at the node of
@@ -47,19 +49,28 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from rsd.random import StepRandom, Stream
-from rsd.sampling import support
+from rsd.random import COUPLED_BLOCK, StepRandom, Stream
 from rsd.tree import DraftTree
+
+_HEAD = 32  # the most likely tokens, drawn first: their best T / q bounds the search
 
 
 def coupled_token(q: Tensor, noise: StepRandom, depth: int) -> int:
     """argmax_v log q(v) + G(v) for the Gumbel noise G of Stream.COUPLED that picks the token after a node at
-    `depth` (noise: the step's StepRandom of Stream.COUPLED): a sample from q [V], float64. Only q's support
-    is drawn: a token of probability 0 never wins."""
-    values, ids = support(q[None])  # [1, S]
-    g = noise.gumbel(torch.zeros(1, dtype=torch.long, device=q.device), ids, q.shape[-1], depth)  # [1, S]
-    best = int((torch.log(values[0]) + g[0]).argmax())
-    return best if ids is None else int(ids[0, best])
+    `depth` (noise: the step's StepRandom of Stream.COUPLED): a sample from q [V], float64. It is
+    argmin_v T(v) / q(v) for the arrivals T = exp(-G), the smallest id on a tie; a token of probability 0
+    never wins.
+
+    Only the tokens that can win are drawn. The head's best ratio r is attained; a token whose block's
+    first arrival m already gives m / q(v) > r cannot reach it (T(v) >= m, StepRandom.arrivals), so only
+    the rest, about COUPLED_BLOCK / q(head) of them, draw their own T: the same token as drawing all V.
+    """
+    head = torch.topk(q, min(_HEAD, q.numel())).indices  # [H]
+    bound = (noise.arrivals(head, depth) / q[head]).min()  # T / 0 = inf: a token of probability 0 never wins
+    first, _ = noise.first_arrivals(torch.arange(-(-q.numel() // COUPLED_BLOCK), device=q.device), depth)  # [B]
+    open_ = (first.repeat_interleave(COUPLED_BLOCK)[: q.numel()] / q <= bound).nonzero()[:, 0]  # [C], holds the best
+    ratio = noise.arrivals(open_, depth) / q[open_]  # [C]
+    return int(open_[ratio == ratio.min()].min())
 
 
 def coupled_walk(tree: DraftTree, target_law: Callable[[int], Tensor], noise: StepRandom) -> tuple[int, int]:

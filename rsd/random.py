@@ -48,6 +48,7 @@ class Draw(IntEnum):
     IID = 1  # a node's i.i.d. children (SpecInfer, SpecTr): column = the draw's rank
     ACCEPT = 2  # the acceptance test of a node's k-th child: column = k
     TOKEN = 3  # the correction or bonus token emitted at a node (or an autoregressive token): column 0
+    BLOCK = 4  # Stream.COUPLED: a block of token ids' first arrival (StepRandom.first_arrivals): column = block
 
 
 def philox4x32(counter: Tensor, key: tuple[int, int]) -> Tensor:
@@ -84,6 +85,8 @@ def _philox_ints(c0: int, c1: int, c2: int, c3: int, k0: int, k1: int) -> tuple[
     return c0, c1, c2, c3
 
 
+_BLOCK_BITS = 7
+COUPLED_BLOCK = 1 << _BLOCK_BITS  # Stream.COUPLED draws its noise in blocks of this many token ids (arrivals)
 _FEW = 64  # up to this many counters _philox_ints is the faster (same bits: tests/rsd/test_random.py)
 
 
@@ -151,14 +154,41 @@ class StepRandom:
 
         Stream.COUPLED keys it by (position, token id) instead: the nodes node_idx, all at `depth`, pick
         the token at absolute position root_position + depth + 1, and every node there shares that noise,
-        in whichever step and tree it is drawn (rsd.coupled).
+        in whichever step and tree it is drawn (rsd.coupled). It is -log T for that position's arrivals T.
         """
-        rng = self
         if self.stream is Stream.COUPLED:
-            rng = StepRandom(self.seed, self.stream, self.root_position + depth + 1)
-            node_idx = torch.zeros_like(node_idx)
+            if token_ids is None:
+                token_ids = torch.arange(vocab_size, device=node_idx.device).expand(len(node_idx), -1)
+            return -torch.log(self.arrivals(token_ids, depth))
         if token_ids is None:
-            u = rng.uniform_rows(Draw.GUMBEL, node_idx, vocab_size)
+            u = self.uniform_rows(Draw.GUMBEL, node_idx, vocab_size)
         else:
-            u = rng.uniform(Draw.GUMBEL, node_idx[:, None], token_ids)
+            u = self.uniform(Draw.GUMBEL, node_idx[:, None], token_ids)
         return -torch.log(-torch.log(u))
+
+    def arrivals(self, token_ids: Tensor, depth: int) -> Tensor:
+        """Stream.COUPLED's noise as arrival times T(v), i.i.d. Exp(1) over token ids v, for the token at position
+        root_position + depth + 1: [...] float64 like token_ids. Gumbel noise is -log T, and argmax log q + G
+        is argmin T / q (an exponential race).
+
+        They are drawn in blocks of COUPLED_BLOCK ids so that a sampler can bound a token's T without drawing
+        it (rsd.coupled.coupled_token): block b's first arrival m_b ~ Exp(1) / COUPLED_BLOCK falls on the
+        id b * COUPLED_BLOCK + a_b, a_b uniform; every other id of the block arrives at m_b + Exp(1), each
+        independently (the exponential law forgets). So the T are i.i.d. Exp(1), and T(v) >= m_b.
+        """
+        ids = token_ids.to(torch.int64)
+        blocks, index = torch.unique(ids // COUPLED_BLOCK, return_inverse=True)  # [B], [...]
+        first, where = self.first_arrivals(blocks, depth)  # [B] each
+        position = StepRandom(self.seed, self.stream, self.root_position + depth + 1)
+        own = -torch.log(position.uniform(Draw.GUMBEL, 0, ids))  # [...] Exp(1)
+        return torch.where(ids % COUPLED_BLOCK == where[index], first[index], first[index] + own)
+
+    def first_arrivals(self, blocks: Tensor, depth: int) -> tuple[Tensor, Tensor]:
+        """Stream.COUPLED: each block's first arrival m_b [...] float64 and the offset a_b [...] int64 in the block
+        of the id it falls on (arrivals), for the token at position root_position + depth + 1."""
+        if self.stream is not Stream.COUPLED:
+            raise ValueError(f"arrivals are Stream.COUPLED's noise, not {self.stream.name}'s")
+        position = StepRandom(self.seed, self.stream, self.root_position + depth + 1)
+        words = position._words(Draw.BLOCK, torch.zeros_like(blocks), blocks.to(torch.int64))  # [4, ...]
+        first = -torch.log(_to_uniform(words[0], words[1])) / COUPLED_BLOCK  # Exp(1) / 128: exact division
+        return first, words[2] >> (32 - _BLOCK_BITS)  # the word's top bits: uniform in [0, COUPLED_BLOCK)

@@ -4,6 +4,8 @@ Stream.COUPLED, token for token, whatever was drafted; that sampling follows the
 The first test is the rule's proof in this code base: it checks the equality over many seeds, tables,
 methods, shapes (confidence stops and top-k included) and step boundaries; the second checks the
 Gumbel-max lemma on Philox's noise by chi-square; the negative control reads the wrong position's noise.
+The noise is drawn in blocks (StepRandom.arrivals): its tests check that the arrivals are i.i.d. Exp(1) and
+that the verifier's pruned search picks the token a draw of every arrival picks.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 from rsd.acceptance import RULES, accepted_length_law, step_law, verify
 from rsd.coupled import coupled_token, coupled_walk
 from rsd.methods import Method
-from rsd.random import StepRandom, Stream
+from rsd.random import COUPLED_BLOCK, StepRandom, Stream
 from tests.fixtures import toy
 
 V = 4
@@ -147,3 +149,56 @@ def test_exact_acceptance_of_rule_gap_matches_the_code(name, shape):
     sd = (sum((a - mean) ** 2 for a in accepted) / (n - 1)) ** 0.5
     assert abs(mean - exact) < 4.5 * sd / n**0.5, (mean, exact)
     assert abs(any_accepted / n - first) < 4.5 * (first * (1 - first) / n) ** 0.5 + 1e-9
+
+
+def _every_arrival(q, noise, depth):
+    """coupled_token by drawing every token's arrival: argmin T / q, the smallest id on a tie."""
+    ratio = noise.arrivals(torch.arange(q.numel()), depth) / q  # [V]
+    return int(torch.nonzero(ratio == ratio.min())[0, 0])
+
+
+def _laws(vocab_size, generator):
+    """Laws [V] float64 of every kind the search meets: peaked to flat softmaxes, a top-k cut, one token."""
+    logits = torch.randn(vocab_size, generator=generator, dtype=torch.float64)
+    for scale in (0.3, 2.0, 8.0):
+        yield torch.softmax(logits * scale, 0)
+    cut = torch.softmax(logits * 2, 0)
+    cut[cut < cut.topk(5).values[-1]] = 0
+    yield cut / cut.sum()
+    yield torch.nn.functional.one_hot(torch.tensor(vocab_size // 2), vocab_size).double()
+
+
+@pytest.mark.parametrize("vocab_size", [7, 3 * COUPLED_BLOCK + 5, 5000])
+def test_the_pruned_search_picks_the_token_every_arrival_picks(vocab_size):
+    generator = torch.Generator().manual_seed(vocab_size)
+    for seed in range(25):
+        for q in _laws(vocab_size, generator):
+            noise = StepRandom(seed, Stream.COUPLED, 3 * seed)
+            assert coupled_token(q, noise, seed % 3) == _every_arrival(q, noise, seed % 3)
+
+
+def test_a_real_vocabularys_search_picks_the_token_every_arrival_picks():
+    generator = torch.Generator().manual_seed(0)
+    for seed, q in enumerate(_laws(151_936, generator)):
+        noise = StepRandom(seed, Stream.COUPLED, 100)
+        assert coupled_token(q, noise, 0) == _every_arrival(q, noise, 0)
+
+
+def test_arrivals_are_independent_exponentials():
+    """T(v) ~ Exp(1) for a block's first-arrival id and the others alike, independent within and across blocks;
+    each block's first arrival is its smallest T."""
+    from scipy import stats
+
+    n, ids = 4000, torch.arange(2 * COUPLED_BLOCK)
+    t = torch.stack([StepRandom(7, Stream.COUPLED, p).arrivals(ids, 0) for p in range(n)])  # [n, 2B]
+    for v in (0, 1, COUPLED_BLOCK + 3):
+        assert stats.kstest(t[:, v].numpy(), "expon").pvalue > 1e-3
+    first = t.view(n, 2, COUPLED_BLOCK).min(-1)  # [n, 2]
+    assert stats.kstest((first.values * COUPLED_BLOCK).flatten().numpy(), "expon").pvalue > 1e-3
+    where = torch.bincount(first.indices.flatten(), minlength=COUPLED_BLOCK).numpy()
+    assert stats.chisquare(where).pvalue > 1e-3  # the first arrival falls anywhere in its block
+    blocks = torch.arange(2)
+    m, a = StepRandom(7, Stream.COUPLED, 0).first_arrivals(blocks, 0)
+    assert torch.equal(t[0].view(2, COUPLED_BLOCK)[blocks, a], m) and torch.equal(first.values[0], m)
+    corr = torch.corrcoef(t[:, [0, 1, COUPLED_BLOCK + 3]].T)
+    assert (corr - torch.eye(3)).abs().max() < 0.07  # about 4.5 standard errors at n = 4000
