@@ -62,13 +62,18 @@ def coupled_token(q: Tensor, noise: StepRandom, depth: int) -> int:
     never wins.
 
     Only the tokens that can win are drawn. The head's best ratio r is attained; a token whose block's
-    first arrival m already gives m / q(v) > r cannot reach it (T(v) >= m, StepRandom.arrivals), so only
-    the rest, about COUPLED_BLOCK / q(head) of them, draw their own T: the same token as drawing all V.
+    first arrival m already gives m / q(v) > r cannot reach it (T(v) >= m, StepRandom.arrivals), nor can a
+    block with m / max q > r hold one. Only the rest, about COUPLED_BLOCK / q(head) tokens, draw their own
+    T: the same token as drawing all V, for one draw per block and a pass over q.
     """
     head = torch.topk(q, min(_HEAD, q.numel())).indices  # [H]
     bound = (noise.arrivals(head, depth) / q[head]).min()  # T / 0 = inf: a token of probability 0 never wins
-    first, _ = noise.first_arrivals(torch.arange(-(-q.numel() // COUPLED_BLOCK), device=q.device), depth)  # [B]
-    open_ = (first.repeat_interleave(COUPLED_BLOCK)[: q.numel()] / q <= bound).nonzero()[:, 0]  # [C], holds the best
+    short = -q.numel() % COUPLED_BLOCK  # a real vocabulary is often a multiple of 128: no copy
+    blocks = (torch.nn.functional.pad(q, (0, short)) if short else q).reshape(-1, COUPLED_BLOCK)  # [B, 128]
+    first, _ = noise.first_arrivals(torch.arange(blocks.shape[0], device=q.device), depth)  # [B]
+    open_blocks = (first / blocks.amax(-1) <= bound).nonzero()[:, 0]  # [b]: no token of another can reach the bound
+    rows, cols = (first[open_blocks, None] / blocks[open_blocks] <= bound).nonzero().unbind(-1)  # [C] each
+    open_ = open_blocks[rows] * COUPLED_BLOCK + cols  # [C] token ids, the best among them
     ratio = noise.arrivals(open_, depth) / q[open_]  # [C]
     return int(open_[ratio == ratio.min()].min())
 

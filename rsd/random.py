@@ -157,8 +157,9 @@ class StepRandom:
         in whichever step and tree it is drawn (rsd.coupled). It is -log T for that position's arrivals T.
         """
         if self.stream is Stream.COUPLED:
-            if token_ids is None:
-                token_ids = torch.arange(vocab_size, device=node_idx.device).expand(len(node_idx), -1)
+            if token_ids is None:  # every row is the position's one vector
+                every = torch.arange(vocab_size, device=node_idx.device)
+                return -torch.log(self.arrivals(every, depth, every_id=True)).expand(len(node_idx), -1)
             return -torch.log(self.arrivals(token_ids, depth))
         if token_ids is None:
             u = self.uniform_rows(Draw.GUMBEL, node_idx, vocab_size)
@@ -166,7 +167,7 @@ class StepRandom:
             u = self.uniform(Draw.GUMBEL, node_idx[:, None], token_ids)
         return -torch.log(-torch.log(u))
 
-    def arrivals(self, token_ids: Tensor, depth: int) -> Tensor:
+    def arrivals(self, token_ids: Tensor, depth: int, every_id: bool = False) -> Tensor:
         """Stream.COUPLED's noise as arrival times T(v), i.i.d. Exp(1) over token ids v, for the token at position
         root_position + depth + 1: [...] float64 like token_ids. Gumbel noise is -log T, and argmax log q + G
         is argmin T / q (an exponential race).
@@ -175,12 +176,19 @@ class StepRandom:
         it (rsd.coupled.coupled_token): block b's first arrival m_b ~ Exp(1) / COUPLED_BLOCK falls on the
         id b * COUPLED_BLOCK + a_b, a_b uniform; every other id of the block arrives at m_b + Exp(1), each
         independently (the exponential law forgets). So the T are i.i.d. Exp(1), and T(v) >= m_b.
+        every_id: token_ids is arange(V), drawn with each counter once (the same values).
         """
         ids = token_ids.to(torch.int64)
-        blocks, index = torch.unique(ids // COUPLED_BLOCK, return_inverse=True)  # [B], [...]
-        first, where = self.first_arrivals(blocks, depth)  # [B] each
         position = StepRandom(self.seed, self.stream, self.root_position + depth + 1)
-        own = -torch.log(position.uniform(Draw.GUMBEL, 0, ids))  # [...] Exp(1)
+        if every_id:
+            blocks = torch.arange(-(-ids.numel() // COUPLED_BLOCK), device=ids.device)  # [B]
+            index = ids // COUPLED_BLOCK
+            u = position.uniform_rows(Draw.GUMBEL, torch.zeros(1, dtype=torch.int64, device=ids.device), ids.numel())[0]
+        else:
+            blocks, index = torch.unique(ids // COUPLED_BLOCK, return_inverse=True)  # [B], [...]
+            u = position.uniform(Draw.GUMBEL, 0, ids)
+        first, where = self.first_arrivals(blocks, depth)  # [B] each
+        own = -torch.log(u)  # [...] Exp(1)
         return torch.where(ids % COUPLED_BLOCK == where[index], first[index], first[index] + own)
 
     def first_arrivals(self, blocks: Tensor, depth: int) -> tuple[Tensor, Tensor]:
