@@ -47,6 +47,11 @@ from verifier_service.batcher import Batcher
 from verifier_service.config import VerifierConfig
 from verifier_service.engine import UnknownSessionError, VerifierPool, VerifyRequest
 
+# What tests that must see sessions share a forward let the verifier wait for them: long enough for their steps to
+# meet on a loaded machine (20-30 ms did not, once), and free otherwise, since the wait ends as soon as every open
+# session has queued its tree (Batcher.open_sessions).
+SHARE_WAIT_MS = 1000.0
+
 CASES = [
     ("sd", "3"),
     ("specinfer", "2,2"),
@@ -123,7 +128,12 @@ def test_every_verification_matches_in_process_generator(models):
 
     async def main():
         n = len(jobs)
-        async with services(models, {"num_slots": n, "batch_wait_ms": 20.0}, {"max_sessions": n}) as (vh, _, stub, _):
+        async with services(models, {"num_slots": n, "batch_wait_ms": SHARE_WAIT_MS}, {"max_sessions": n}) as (
+            vh,
+            _,
+            stub,
+            _,
+        ):
             outs = await asyncio.gather(*(run(stub, vh, sid, params) for sid, params, _, _ in jobs))
         for (sid, _, expected, rule), (tokens, events) in zip(jobs, outs, strict=True):
             assert tokens == expected, sid
@@ -161,7 +171,7 @@ def test_concurrent_sessions_are_packed_and_exact(models, monkeypatch):
     }
 
     async def main():
-        cfg = {"batch_wait_ms": 20.0}
+        cfg = {"batch_wait_ms": SHARE_WAIT_MS}
         async with services(models, cfg, {"proposal_top_k": 16}) as (vhandle, dhandle, stub, _):
             vhandle.engine.verify_batch = on_thread(vhandle.engine.verify_batch)
             outs = await asyncio.gather(*(run(stub, vhandle, sid, p, committed=pr) for sid, (pr, p) in jobs.items()))
@@ -200,7 +210,7 @@ def test_a_seeded_session_gets_its_lone_tokens_whoever_shares_the_batch(models, 
     ]
 
     async def main(jobs):
-        cfg = {"batch_wait_ms": 30.0, "num_slots": 8}
+        cfg = {"batch_wait_ms": SHARE_WAIT_MS, "num_slots": 8}
         async with services(models, cfg, {"max_sessions": 8}) as (vhandle, _, stub, _):
             return await asyncio.gather(*(run(stub, vhandle, sid, p, committed=pr) for sid, pr, p in jobs))
 
