@@ -47,9 +47,9 @@ from verifier_service.batcher import Batcher
 from verifier_service.config import VerifierConfig
 from verifier_service.engine import UnknownSessionError, VerifierPool, VerifyRequest
 
-# What tests that must see sessions share a forward let the verifier wait for them: long enough for their steps to
-# meet on a loaded machine (20-30 ms did not, once), and free otherwise, since the wait ends as soon as every open
-# session has queued its tree (Batcher.open_sessions).
+# What tests that must see sessions share a forward let the verifier (and the drafter) wait for them: long enough for
+# their steps to meet on a loaded machine (20-30 ms did not, once), and free otherwise, since the wait ends as soon as
+# every open session has queued its tree (Batcher.open_sessions; the drafter's packer likewise).
 SHARE_WAIT_MS = 1000.0
 
 CASES = [
@@ -172,7 +172,12 @@ def test_concurrent_sessions_are_packed_and_exact(models, monkeypatch):
 
     async def main():
         cfg = {"batch_wait_ms": SHARE_WAIT_MS}
-        async with services(models, cfg, {"proposal_top_k": 16}) as (vhandle, dhandle, stub, _):
+        async with services(models, cfg, {"proposal_top_k": 16, "batch_wait_ms": SHARE_WAIT_MS}) as (
+            vhandle,
+            dhandle,
+            stub,
+            _,
+        ):
             vhandle.engine.verify_batch = on_thread(vhandle.engine.verify_batch)
             outs = await asyncio.gather(*(run(stub, vhandle, sid, p, committed=pr) for sid, (pr, p) in jobs.items()))
             stats, draft_stats = vhandle.batcher.stats, dhandle.engine.packer.stats
