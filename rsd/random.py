@@ -156,47 +156,48 @@ class StepRandom:
         the token at absolute position root_position + depth + 1, and every node there shares that noise,
         in whichever step and tree it is drawn (rsd.coupled). It is -log T for that position's arrivals T.
         """
-        if self.stream is Stream.COUPLED:
-            if token_ids is None:  # every row is the position's one vector
-                every = torch.arange(vocab_size, device=node_idx.device)
-                return -torch.log(self.arrivals(every, depth, every_id=True)).expand(len(node_idx), -1)
-            return -torch.log(self.arrivals(token_ids, depth))
+        if self.stream is Stream.COUPLED:  # token_ids None: every row is the position's one vector
+            return -torch.log(self.arrivals(token_ids, depth, vocab_size, node_idx.device)).expand(len(node_idx), -1)
         if token_ids is None:
             u = self.uniform_rows(Draw.GUMBEL, node_idx, vocab_size)
         else:
             u = self.uniform(Draw.GUMBEL, node_idx[:, None], token_ids)
         return -torch.log(-torch.log(u))
 
-    def arrivals(self, token_ids: Tensor, depth: int, every_id: bool = False) -> Tensor:
+    def arrivals(self, token_ids: Tensor | None, depth: int, vocab_size: int = 0, device=None) -> Tensor:
         """Stream.COUPLED's noise as arrival times T(v), i.i.d. Exp(1) over token ids v, for the token at position
-        root_position + depth + 1: [...] float64 like token_ids. Gumbel noise is -log T, and argmax log q + G
-        is argmin T / q (an exponential race).
+        root_position + depth + 1: [...] float64 like token_ids, or [vocab_size] for every id (token_ids None; on
+        `device`, each counter drawn once). Gumbel noise is -log T, and argmax log q + G is argmin T / q (an
+        exponential race).
 
         They are drawn in blocks of COUPLED_BLOCK ids so that a sampler can bound a token's T without drawing
         it (rsd.coupled.coupled_token): block b's first arrival m_b ~ Exp(1) / COUPLED_BLOCK falls on the
         id b * COUPLED_BLOCK + a_b, a_b uniform; every other id of the block arrives at m_b + Exp(1), each
         independently (the exponential law forgets). So the T are i.i.d. Exp(1), and T(v) >= m_b.
-        every_id: token_ids is arange(V), drawn with each counter once (the same values).
         """
-        ids = token_ids.to(torch.int64)
-        position = StepRandom(self.seed, self.stream, self.root_position + depth + 1)
-        if every_id:
-            blocks = torch.arange(-(-ids.numel() // COUPLED_BLOCK), device=ids.device)  # [B]
-            index = ids // COUPLED_BLOCK
-            u = position.uniform_rows(Draw.GUMBEL, torch.zeros(1, dtype=torch.int64, device=ids.device), ids.numel())[0]
+        position = self._position(depth)
+        if token_ids is None:
+            ids = torch.arange(vocab_size, device=device)
+            blocks = torch.arange(-(-vocab_size // COUPLED_BLOCK), device=device)  # [B]
+            index = ids // COUPLED_BLOCK  # [V]
+            u = position.uniform_rows(Draw.GUMBEL, torch.zeros(1, dtype=torch.int64, device=device), vocab_size)[0]
         else:
+            ids = token_ids.to(torch.int64)
             blocks, index = torch.unique(ids // COUPLED_BLOCK, return_inverse=True)  # [B], [...]
             u = position.uniform(Draw.GUMBEL, 0, ids)
         first, where = self.first_arrivals(blocks, depth)  # [B] each
         own = -torch.log(u)  # [...] Exp(1)
         return torch.where(ids % COUPLED_BLOCK == where[index], first[index], first[index] + own)
 
+    def _position(self, depth: int) -> StepRandom:
+        """Stream.COUPLED's draws for the token at absolute position root_position + depth + 1, in any step."""
+        return StepRandom(self.seed, self.stream, self.root_position + depth + 1)
+
     def first_arrivals(self, blocks: Tensor, depth: int) -> tuple[Tensor, Tensor]:
         """Stream.COUPLED: each block's first arrival m_b [...] float64 and the offset a_b [...] int64 in the block
         of the id it falls on (arrivals), for the token at position root_position + depth + 1."""
         if self.stream is not Stream.COUPLED:
             raise ValueError(f"arrivals are Stream.COUPLED's noise, not {self.stream.name}'s")
-        position = StepRandom(self.seed, self.stream, self.root_position + depth + 1)
-        words = position._words(Draw.BLOCK, torch.zeros_like(blocks), blocks.to(torch.int64))  # [4, ...]
+        words = self._position(depth)._words(Draw.BLOCK, torch.zeros_like(blocks), blocks.to(torch.int64))  # [4, ...]
         first = -torch.log(_to_uniform(words[0], words[1])) / COUPLED_BLOCK  # Exp(1) / 128: exact division
         return first, words[2] >> (32 - _BLOCK_BITS)  # the word's top bits: uniform in [0, COUPLED_BLOCK)

@@ -128,12 +128,8 @@ def test_every_verification_matches_in_process_generator(models):
 
     async def main():
         n = len(jobs)
-        async with services(models, {"num_slots": n, "batch_wait_ms": SHARE_WAIT_MS}, {"max_sessions": n}) as (
-            vh,
-            _,
-            stub,
-            _,
-        ):
+        verifier_cfg = {"num_slots": n, "batch_wait_ms": SHARE_WAIT_MS}
+        async with services(models, verifier_cfg, {"max_sessions": n}) as (vh, _, stub, _):
             outs = await asyncio.gather(*(run(stub, vh, sid, params) for sid, params, _, _ in jobs))
         for (sid, _, expected, rule), (tokens, events) in zip(jobs, outs, strict=True):
             assert tokens == expected, sid
@@ -171,13 +167,8 @@ def test_concurrent_sessions_are_packed_and_exact(models, monkeypatch):
     }
 
     async def main():
-        cfg = {"batch_wait_ms": SHARE_WAIT_MS}
-        async with services(models, cfg, {"proposal_top_k": 16, "batch_wait_ms": SHARE_WAIT_MS}) as (
-            vhandle,
-            dhandle,
-            stub,
-            _,
-        ):
+        cfg, drafter_cfg = {"batch_wait_ms": SHARE_WAIT_MS}, {"proposal_top_k": 16, "batch_wait_ms": SHARE_WAIT_MS}
+        async with services(models, cfg, drafter_cfg) as (vhandle, dhandle, stub, _):
             vhandle.engine.verify_batch = on_thread(vhandle.engine.verify_batch)
             outs = await asyncio.gather(*(run(stub, vhandle, sid, p, committed=pr) for sid, (pr, p) in jobs.items()))
             stats, draft_stats = vhandle.batcher.stats, dhandle.engine.packer.stats

@@ -197,7 +197,7 @@ def test_arrivals_are_independent_exponentials():
     assert stats.kstest((first.values * COUPLED_BLOCK).flatten().numpy(), "expon").pvalue > 1e-3
     where = torch.bincount(first.indices.flatten(), minlength=COUPLED_BLOCK).numpy()
     assert stats.chisquare(where).pvalue > 1e-3  # the first arrival falls anywhere in its block
-    assert torch.equal(StepRandom(7, Stream.COUPLED, 0).arrivals(ids, 0, every_id=True), t[0])  # counters once
+    assert torch.equal(StepRandom(7, Stream.COUPLED, 0).arrivals(None, 0, len(ids)), t[0])  # counters once
     blocks = torch.arange(2)
     m, a = StepRandom(7, Stream.COUPLED, 0).first_arrivals(blocks, 0)
     assert torch.equal(t[0].view(2, COUPLED_BLOCK)[blocks, a], m) and torch.equal(first.values[0], m)
