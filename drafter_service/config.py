@@ -35,9 +35,9 @@ class DrafterConfig(PeerTLSConfig, ModelServiceConfig):
     # Quantisation of the draft model (rsd_runtime.models.quantize_draft): "none", "int8" (int8 linear
     # layers on the CPU, per-row activations on an AVX512-VNNI kernel where the CPU has one, else torch's
     # dynamic int8; exact,
-    # since the verifier judges each proposal with the law it was drawn from), "auto" (int8 where a
-    # quick measurement at start finds it faster on this device, else none). int8 needs dtype float32
-    # or auto. The verifier has no such setting: the target is never quantised.
+    # since the verifier judges each proposal with the law it was drawn from), "auto" (int8 where the
+    # VNNI kernel takes every layer of a drafter too large for the cache: models.int8_auto; never by
+    # timing). int8 needs dtype float32 or auto. The verifier has no such setting: the target is never quantised.
     quantize: str = "none"
     # Largest tree (nodes, root included) a run may draft; the verifier's own limit (from Attach)
     # applies too.

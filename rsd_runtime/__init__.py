@@ -8,7 +8,8 @@ Imports only rsd/ below it."""
 # them to torch dtypes, and "auto" (models.parse_dtype) resolves to one of them per device.
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # A drafter's quantisation (rsd_runtime.models.quantize_draft): none, int8 (dynamic int8 linear layers,
-# CPU), auto (int8 where a quick measurement finds it faster). Targets are never quantised.
+# CPU), auto (int8 where the VNNI kernel takes a drafter too large for the cache: models.int8_auto, never a
+# timing). Targets are never quantised.
 QUANTIZE_MODES = ("none", "int8", "auto")
 # A GGUF model's numeric mode (load_model's `numeric`): "exact", or the opt-in int8 activations (rsd_runtime.quant_q8).
 NUMERICS = ("exact", "q8_activations")

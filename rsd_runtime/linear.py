@@ -6,8 +6,10 @@ gpt-fast's quantize.py swaps in WeightOnlyInt8Linear): nothing is patched, `prin
                        streamed once for all rows; a row's value the same in any batch) or weight @ x.T
     Int8Linear         a drafter's int8 layer on small_gemm's AVX512-VNNI kernel (quantize_draft puts it in)
 
-use_small_batch_linear swaps SmallBatchLinear in (load_model does on a CPU), plain_linear swaps it out again,
-set_small_batch_rows and set_linear_kernel change the swapped-in layers of a loaded model.
+as_plain_linear makes the layers that are a linear map under another class (GPT-2's Conv1D, Falcon's FalconLinear)
+plain nn.Linear ones (load_model does on every device), use_small_batch_linear swaps SmallBatchLinear in (load_model
+does on a CPU), plain_linear swaps it out again, set_small_batch_rows and set_linear_kernel change the swapped-in
+layers of a loaded model.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from functools import partial
 
 import torch
 from torch import Tensor
+from transformers.pytorch_utils import Conv1D
 
 from rsd_runtime import small_gemm
 
@@ -133,6 +136,34 @@ def replace_linear(
             parent, _, name = path.rpartition(".")
             setattr(model.get_submodule(parent), name, made[id(child)])
     return len(made)
+
+
+def as_plain_linear(model: torch.nn.Module) -> int:
+    """Make every layer that computes x @ W.T + b under a class of its own an nn.Linear, so the layer kernels
+    (SmallBatchLinear, Int8Linear) take it and a row's value stops depending on its batch. Left as they are,
+    GPT-2's Conv1D (torch.addmm over W [in, out]) and Falcon's FalconLinear run MKL, whose rows change with the
+    row count (a one-row gemv and a gemm round differently), while batch_variance saw no nn.Linear to name:
+    a seeded run could draw other tokens depending on which rows shared a forward. Conv1D's weight is stored
+    transposed ([out, in], a copy); FalconLinear's Parameters are kept. The same function either way. Returns
+    the number of layers replaced."""
+    falcon = _falcon_linear()
+
+    def plain(layer: torch.nn.Module) -> torch.nn.Linear:
+        conv = isinstance(layer, Conv1D)
+        weight = torch.nn.Parameter(layer.weight.detach().T.contiguous(), False) if conv else layer.weight
+        linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=layer.bias is not None, device="meta")
+        linear.weight, linear.bias = weight, layer.bias
+        return linear
+
+    return replace_linear(model, (Conv1D, *falcon), plain)
+
+
+def _falcon_linear() -> tuple[type, ...]:
+    try:
+        from transformers.models.falcon.modeling_falcon import FalconLinear
+    except ImportError:  # a transformers without Falcon
+        return ()
+    return (FalconLinear,)
 
 
 def use_small_batch_linear(model: torch.nn.Module, max_rows: int = 64, kernel: str = "auto") -> int:

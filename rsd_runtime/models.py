@@ -18,7 +18,14 @@ from rsd_runtime import DTYPE_NAMES, QUANTIZE_MODES, quant, quant_q8, row_attent
 from rsd_runtime.attention import GROUPED_SDPA, PROBE_KEYS, ROW_SDPA, check_model
 from rsd_runtime.gguf_model import gguf_file, load_gguf
 from rsd_runtime.lean import lean_decoder, use_lean_forward
-from rsd_runtime.linear import Int8Linear, SmallBatchLinear, plain_linear, replace_linear, use_small_batch_linear
+from rsd_runtime.linear import (
+    Int8Linear,
+    SmallBatchLinear,
+    as_plain_linear,
+    plain_linear,
+    replace_linear,
+    use_small_batch_linear,
+)
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +115,7 @@ def load_model(
         row = torch.device(device).type == "cpu" and row_attention.available()
         model.set_attn_implementation(ROW_SDPA if row else GROUPED_SDPA)
     model.to(torch.device(device)).eval().requires_grad_(False)
+    as_plain_linear(model)  # GPT-2's Conv1D and the like: nn.Linear, which the row-invariant kernels take
     if small_batch_rows is None and torch.device(device).type != "cpu":
         small_batch_rows = 0
     elif small_batch_rows is None:  # float32 takes the small-row path even without its kernel (weight @ x.T)
@@ -155,7 +163,9 @@ def batch_variance(model: torch.nn.Module) -> str:
     float32 rows change with the row count: RSD_SMALL_GEMM=0, a CPU or layer width the kernel does not take,
     small_batch_rows below any), fbgemm's dynamic int8 (a CPU without VNNI: one activation scale a call), sdpa,
     grouped_sdpa and eager attention (a row reduced over every key of its forward, in blocks set by the forward's
-    shape), the lean draft forward without row attention (sdpa), any GPU (cuBLAS, flash: tiles by shape).
+    shape), the lean draft forward without row attention (sdpa), any module other than a linear layer, an embedding
+    or a quantised kernel that multiplies by weights of its own (Mixtral's batched experts; GPT-2's Conv1D is an
+    nn.Linear after load_model's as_plain_linear), any GPU (cuBLAS, flash: tiles by shape).
     """
     device = next(model.parameters()).device
     if device.type != "cpu":
@@ -175,6 +185,8 @@ def batch_variance(model: torch.nn.Module) -> str:
         if type(m).__module__.startswith("torch.ao.nn.quantized"):
             return f"{name}: fbgemm's dynamic int8 scales a call's activations at once"
         if not isinstance(m, torch.nn.Linear):
+            if not isinstance(m, _ROW_KERNELS) and any(p.dim() > 1 for p in m.parameters(recurse=False)):
+                return f"{name}: {type(m).__name__} multiplies by its own weights outside the row kernels"
             continue
         if not isinstance(m, SmallBatchLinear) or not m.small_gemm or m.small_batch_rows < small_gemm.ANY_ROWS:
             return f"{name}: F.linear or weight @ x.T above {getattr(m, 'small_batch_rows', 0)} rows"
@@ -182,6 +194,10 @@ def batch_variance(model: torch.nn.Module) -> str:
             why = small_gemm.kernel_name(m.weight.dtype) or "no kernel here"
             return f"{name}: small_gemm ({why}) does not take {m.weight.dtype} x {m.in_features} (F.linear instead)"
     return ""
+
+
+# Modules holding matrices whose rows are their own: a lookup, or a kernel that computes each row alone.
+_ROW_KERNELS = (torch.nn.Embedding, quant.QuantLinear, Int8Linear)
 
 
 class PrunedLMHead(torch.nn.Module):
@@ -268,10 +284,11 @@ def quantize_draft(model: torch.nn.Module, mode: str, dtype: str = "float32") ->
     layers, SmallBatchLinear ones included), then use_small_batch_linear (replaces only the nn.Linear layers
     left: none after int8).
 
-    "auto" picks int8 where it is faster on this device, by a quick measurement (int8_speedup: the
-    model's own linear shapes at 1 and 4 rows, min over interleaved repetitions): int8 when its
-    estimated linear time per forward is below 0.8 x the float model's; otherwise, and on any device
-    but the CPU, "none".
+    "auto" picks by the machine and the model, never by a timing: int8 where int8_auto says so (the
+    AVX512-VNNI kernel takes every layer, and the float32 weights are large enough that a forward streams
+    them from memory), else "none". A timing taken at start decided it once, and on a busy machine it chose
+    the other law: the draft law, and with it a seeded run's tokens, changed with the machine's load.
+    int8_speedup still measures the ratio for a benchmark to report.
     """
     if mode not in QUANTIZE_MODES:
         raise ValueError(f"draft quantize must be one of {QUANTIZE_MODES}, got {mode!r}")
@@ -284,9 +301,9 @@ def quantize_draft(model: torch.nn.Module, mode: str, dtype: str = "float32") ->
         log.info("draft quantize auto -> none: %s", problem)
         return "none"
     if mode == "auto":
-        ratio = int8_speedup(model)
-        log.info("draft quantize auto: int8 / float linear time %.2f (int8 below 0.8)", ratio)
-        if ratio >= 0.8:
+        why = int8_auto(model)
+        log.info("draft quantize auto -> %s", why)
+        if not why.startswith("int8"):
             return "none"
     if next(model.parameters()).dtype != torch.float32:
         model.float()
@@ -306,6 +323,24 @@ def quantize_draft(model: torch.nn.Module, mode: str, dtype: str = "float32") ->
             quantize_dynamic(model, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True)
     model.rsd_quantize = "int8"
     return "int8"
+
+
+# Float32 linear weights from which quantize_draft "auto" takes int8: well past any CPU's last-level cache, so
+# a forward streams them from memory and int8 reads a quarter of the bytes (the 0.5B drafter: ~2 GB). Smaller
+# drafters are bound by per-layer overhead, where int8 gains nothing (tiny ones measured 0.9x-1.1x).
+INT8_AUTO_MIN_BYTES = 256 << 20
+
+
+def int8_auto(model: torch.nn.Module) -> str:
+    """quantize_draft "auto"'s choice with its reason: "int8: ..." or "none: ...". A function of the CPU's
+    kernels and the model's shapes only, so the same on an idle machine and a busy one."""
+    layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, quant.QuantLinear))]
+    if not layers or not all(Int8Linear.takes(m) for m in layers):
+        return "none: the AVX512-VNNI int8 kernel does not take every linear layer here (torch's dynamic int8 would)"
+    size = sum(4 * m.in_features * m.out_features for m in layers)
+    if size < INT8_AUTO_MIN_BYTES:
+        return f"none: {size >> 20} MiB of float32 linear weights, below {INT8_AUTO_MIN_BYTES >> 20} MiB"
+    return f"int8: {size >> 20} MiB of float32 linear weights on the AVX512-VNNI kernel"
 
 
 def int8_unsupported(model: torch.nn.Module, dtype: str = "float32") -> str:

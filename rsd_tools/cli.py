@@ -83,7 +83,7 @@ def _add_generate(sub) -> None:
         default="none",
         choices=QUANTIZE_MODES,
         help="int8: dynamic int8 linear layers in the drafter (CPU; exact: the target is never quantised); "
-        "auto: int8 where a quick measurement finds it faster",
+        "auto: int8 where the VNNI kernel takes a drafter too large for the cache",
     )
     p.add_argument(
         "--small-batch-linear",

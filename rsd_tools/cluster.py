@@ -18,7 +18,7 @@ it the one gateway keeps sessions in its embedded store and is given the service
 
 Placement by default: no cores given, each model service takes one torch thread per core (--threads 0)
 and the drafter and the verifier take turns on all of them, pre-drafting off (--predraft auto); the
-drafter is int8 where a measurement at load finds it faster (--draft-quantize auto). On the 2-core AMX
+drafter is int8 where the VNNI kernel takes it and it outgrows the cache (--draft-quantize auto). On the 2-core AMX
 Xeon measured this beat one core each with pre-drafting (docs/operations.md, placement); give disjoint
 --drafter-cores/--verifier-cores (pre-drafting then turns on) where one core draws most of the memory
 bandwidth (as on the AVX2 EPYC measured earlier) or each side has a device of its own.
@@ -334,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--draft-quantize",
         default="auto",
         choices=QUANTIZE_MODES,
-        help="the drafter's quantisation (default auto: int8 where a measurement at load finds it faster)",
+        help="the drafter's quantisation (default auto: int8 where the VNNI kernel takes a drafter past the cache)",
     )
     place.add_argument(
         "--predraft",

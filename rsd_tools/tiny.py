@@ -1,4 +1,4 @@
-"""Tiny random draft/target pairs (Llama or Qwen2), saved like real checkpoints, without any hub access.
+"""Tiny random draft/target pairs (Llama, Qwen2, GPT-2 or OPT), saved like real checkpoints, without any hub access.
 
 The target is a seeded random model. The draft is the target cut to its first layers (same
 embedding, final norm and head) with seeded noise on every weight, so the two next-token laws
@@ -22,7 +22,9 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers import (
     AutoModelForCausalLM,
+    GPT2Config,
     LlamaConfig,
+    OPTConfig,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
@@ -30,7 +32,7 @@ from transformers import (
 )
 
 SPECIAL_TOKENS = {"pad_token": "<pad>", "eos_token": "<eos>", "bos_token": "<bos>", "unk_token": "<unk>"}
-FAMILIES = {"llama": LlamaConfig, "qwen2": Qwen2Config}
+FAMILIES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "gpt2": GPT2Config, "opt": OPTConfig}
 _DONE = "rsd_tiny_done"  # written last, inside the temporary folder that becomes the pair
 TINY_CHAT_TEMPLATE = (
     "{% for message in messages %}<bos> {{ message['role'] }} {{ message['content'] }} <eos> {% endfor %}"
@@ -61,16 +63,20 @@ def _add_chat_template(model_dir: Path) -> None:
 
 
 def tiny_config(family: str, vocab_size: int, hidden_size: int, num_layers: int) -> PretrainedConfig:
-    """A small config with grouped-query attention (4 query heads, 2 K/V heads) and untied head."""
+    """A small config with 4 query heads (llama and qwen2: 2 K/V heads, grouped-query attention), a feed-forward
+    width of twice the hidden size and an untied head. gpt2's layers are transformers' Conv1D, opt's learned
+    positions are offset by 2: the architectures whose exactness on the served path the tests check too."""
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {sorted(FAMILIES)}, got {family!r}")
+    sizes = {  # each family's names for the same sizes
+        "gpt2": {"n_embd": hidden_size, "n_inner": 2 * hidden_size, "n_layer": num_layers, "n_head": 4},
+        "opt": {"hidden_size": hidden_size, "word_embed_proj_dim": hidden_size, "ffn_dim": 2 * hidden_size},
+    }.get(family, {"hidden_size": hidden_size, "intermediate_size": 2 * hidden_size, "num_key_value_heads": 2})
     return FAMILIES[family](
         vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
+        **sizes,
         num_hidden_layers=num_layers,
         num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=4096,
         initializer_range=0.05,  # layer weights; see _target_model for embedding and head
         tie_word_embeddings=False,

@@ -336,6 +336,6 @@ def test_predraft_follows_placement(flags, on):
 def test_model_services_default_to_all_cores_and_the_fastest_drafter():
     """No --threads: each model service takes one torch thread per core it may use (the service's own
     default), so unpinned services take turns on every core; the drafter's quantize is auto (int8 where
-    a measurement at load finds it faster)."""
+    the VNNI kernel takes a drafter too large for the cache)."""
     args = build_parser().parse_args([])
     assert (args.threads, args.draft_quantize) == (0, "auto")

@@ -8,9 +8,10 @@ append-only file (tests/fixtures/redis_server.py), so it can be killed and resta
 serves the module: two verifiers, two drafters, two gateways; a test that needs a role it killed
 earlier starts a new process of that role.
 
-Every generation is greedy (T=0), so its tokens must equal those of an uninterrupted run through the
-same cluster. The client's stream must have no gap and no repeat (absolute positions), and the store's
-committed tokens must be the prompt plus exactly those tokens. Recovery times (kill -> next token at
+Every generation is greedy (T=0), or seeded at T=1 (with every core busy while the service is killed), so its
+tokens must equal those of an uninterrupted run through the same cluster. The client's stream must have no
+gap and no repeat (absolute positions), and the store's committed tokens must be the prompt plus exactly those
+tokens. Recovery times (kill -> next token at
 the client) are printed; with RSD_FAULTS_REPORT=path they are written there as markdown
 (benchmarks/results/faults.md). No timed assertion: tests check behaviour.
 """
@@ -41,10 +42,12 @@ from rsd_tools.launcher import (
 )
 from rsd_tools.tiny import build_tiny_pair
 from rsd_wire import gateway_pb2
+from tests.fixtures.load import busy_cores
 from tests.fixtures.redis_server import persistent_redis
 
 PROMPT = "w2 w10 w11 w12"
 LONG = {"method": "sd", "shape": "2", "temperature": 0.0, "seed": 0, "max_new_tokens": 400}
+SAMPLED = {"method": "rsd_s", "shape": "2x3", "temperature": 1.0, "seed": 5, "max_new_tokens": 160}
 RECOVERY: dict[str, float] = {}  # fault -> seconds from the kill to the next token at the client
 
 
@@ -188,13 +191,13 @@ def _after(events: list, t_kill: float) -> float:
     return next(t for t, delta in events if t > t_kill and delta.token_ids) - t_kill
 
 
-@pytest.mark.parametrize("role", ["verifier", "drafter"])
-def test_kill_9_of_a_service_mid_generation(cluster, expected, role):
-    """The session finishes on the other verifier (re-prefilled from the committed tokens) or drafter."""
+def _kill_mid_generation(cluster, role: str, params: dict, expected) -> list:
+    """Generate with `params`, kill -9 the session's `role` after its first tokens: the session finishes on the
+    other one (a verifier re-prefilled from the committed tokens), every token the uninterrupted run's."""
     cluster.ensure(**{"verifier": 1, "drafter": 1, "gateway": 1, role: 2})
     prompt_len = expected.started.start_position
     with RsdClient(cluster.alive("gateway")[0].address, timeout_s=120) as client:
-        gen = client.generate(PROMPT, **LONG)
+        gen = client.generate(PROMPT, **params)
         events: list = []
         position, rest = first_delta(gen, prompt_len, events)
         victim = getattr(client.get_session(gen.session_id), f"{role}_id")
@@ -207,8 +210,28 @@ def test_kill_9_of_a_service_mid_generation(cluster, expected, role):
         assert gen.token_ids == expected.token_ids and gen.text == expected.text
         session = check_session(client, gen.session_id, prompt_len, list(expected.token_ids))
     assert getattr(session, f"{role}_id") != victim and session.kv_location.epoch >= 2  # it failed over
-    RECOVERY[f"kill -9 {role}"] = _after(events, t_kill)
+    return [(t - t_kill, delta) for t, delta in events]
+
+
+@pytest.mark.parametrize("role", ["verifier", "drafter"])
+def test_kill_9_of_a_service_mid_generation(cluster, expected, role):
+    """The session finishes on the other verifier (re-prefilled from the committed tokens) or drafter."""
+    events = _kill_mid_generation(cluster, role, LONG, expected)
+    RECOVERY[f"kill -9 {role}"] = _after(events, 0.0)
     print(f"\n[faults] kill -9 {role}: next token after {RECOVERY[f'kill -9 {role}']:.2f} s")
+
+
+@pytest.mark.parametrize("role", ["verifier", "drafter"])
+def test_kill_9_at_t1_under_load_keeps_the_seeded_tokens(cluster, role):
+    """T = 1, seeded: the run killed mid-stream on a machine whose every core is busy equals the undisturbed run
+    on an idle one, token for token. The resumed run re-prefills the committed tokens in one forward and
+    drafts its next trees from there; the step draws are keyed by position and each row's bits are its own
+    (rsd_runtime.models.batch_variance), so it draws what the undisturbed run drew."""
+    with RsdClient(cluster.alive("gateway")[0].address, timeout_s=120) as client:
+        undisturbed = client.generate(PROMPT, **SAMPLED).wait()
+    assert len(undisturbed.token_ids) > 20
+    with busy_cores(max_s=120):
+        _kill_mid_generation(cluster, role, SAMPLED, undisturbed)
 
 
 def test_kill_9_of_the_gateway_and_resume_elsewhere(cluster, expected):
