@@ -335,6 +335,8 @@ def int8_auto(model: torch.nn.Module) -> str:
     """quantize_draft "auto"'s choice with its reason: "int8: ..." or "none: ...". A function of the CPU's
     kernels and the model's shapes only, so the same on an idle machine and a busy one."""
     layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, quant.QuantLinear))]
+    if getattr(model, "rsd_numeric", "exact") == "q8_activations":
+        return "none: its layers compute with int8 activations from the file's blocks already"
     if not layers or not all(Int8Linear.takes(m) for m in layers):
         return "none: the AVX512-VNNI int8 kernel does not take every linear layer here (torch's dynamic int8 would)"
     size = sum(4 * m.in_features * m.out_features for m in layers)

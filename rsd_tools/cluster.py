@@ -127,6 +127,9 @@ def start_cluster(args: argparse.Namespace) -> Cluster:
     env = service_env()
     model_flags = ["--threads", str(args.threads)] if args.threads else []
     model_flags += ["--dtype", args.dtype]
+    numeric = serving_numeric(args.numeric, target_dir, draft_dir, dtype=args.dtype)
+    model_flags += ["--numeric", numeric] if numeric != "exact" else []
+    print(f"[cluster] numeric {numeric} (--numeric {args.numeric})", file=sys.stderr)
     drafter_flags = ["--quantize", args.draft_quantize] if args.draft_quantize != "none" else []
     drafter_flags += [] if predraft_on(args) else ["--predraft", "false"]  # the drafter's default is on
     sec = cluster.security
@@ -261,6 +264,22 @@ def keep_running(cluster: Cluster, max_restarts: int, should_stop: Callable[[], 
     return 0
 
 
+def serving_numeric(numeric: str, *model_dirs: Path, dtype: str = "float32") -> str:
+    """--numeric auto: the fastest numeric that is exact against itself, "q8_activations" (int8 activations on a
+    GGUF pair's own blocks, as llama.cpp computes; rsd_runtime.quant_q8) where both models are GGUF files and this
+    CPU runs its kernel in float32, else "exact". Either is one deterministic function of the weights: T = 0 is
+    the target alone's greedy output in that numeric."""
+    if numeric != "auto":
+        return numeric
+    from rsd_runtime import quant_q8
+    from rsd_runtime.gguf_model import gguf_file
+
+    gguf = all(gguf_file(d) is not None for d in model_dirs)
+    if dtype not in ("float32", "auto") or quant_q8.unavailable_reason("cpu", gguf=gguf):
+        return "exact"
+    return "q8_activations"
+
+
 def predraft_on(args: argparse.Namespace) -> bool:
     """Pre-drafting pays only when the drafter has cores of its own: sharing the verifier's, its
     speculative forwards slow the verification they wait on. auto = on iff both core sets are given
@@ -313,6 +332,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="torch threads per model process (default 0: one per core it may use, all cores when not pinned)",
+    )
+    ap.add_argument(
+        "--numeric",
+        default="auto",
+        choices=("auto", "exact", "q8_activations"),
+        help="both model services' numeric (auto: q8_activations for a GGUF pair where the CPU runs it, else exact)",
     )
     ap.add_argument(
         "--dtype",

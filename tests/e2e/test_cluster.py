@@ -19,10 +19,11 @@ from pathlib import Path
 import grpc
 import pytest
 
+from rsd_runtime import quant_q8
 from rsd_service.client import RsdClient
 from rsd_service.security import ClientSecurity, channel
 from rsd_tools import cli
-from rsd_tools.cluster import build_parser, cluster_security, run_generation, start_cluster
+from rsd_tools.cluster import build_parser, cluster_security, run_generation, serving_numeric, start_cluster
 from rsd_tools.launcher import ClusterSecurity
 from rsd_wire import common_pb2, verifier_pb2, verifier_pb2_grpc
 
@@ -55,6 +56,21 @@ def test_cluster_runs_every_service_as_a_process(cluster):
             assert p.proc.args[p.proc.args.index("--dtype") + 1] == "float32"
         if p.name.startswith("drafter"):  # and the drafter the fastest of its quantize settings
             assert p.proc.args[p.proc.args.index("--quantize") + 1] == "auto"
+        assert "--numeric" not in p.proc.args  # numeric auto: exact for a pair that is not GGUF
+
+
+def test_numeric_auto_serves_a_gguf_pair_on_int8_activations_where_the_cpu_runs_them(tmp_path):
+    """--numeric auto (the default, what scripts/run.sh starts): q8_activations for a GGUF pair where this CPU runs
+    its kernel in float32, exact for anything else; an explicit choice is kept."""
+    from rsd_tools.tiny import build_tiny_gguf_pair, build_tiny_pair
+
+    gguf, hf = build_tiny_gguf_pair(tmp_path), build_tiny_pair(tmp_path)
+    runs = quant_q8.unavailable_reason() == ""
+    assert serving_numeric("auto", *gguf) == ("q8_activations" if runs else "exact")
+    assert serving_numeric("auto", *gguf, dtype="bfloat16") == "exact"
+    assert serving_numeric("auto", gguf[0], hf[1]) == serving_numeric("auto", *hf) == "exact"
+    assert serving_numeric("exact", *gguf) == "exact"
+    assert build_parser().parse_args([]).numeric == "auto"
 
 
 def test_generation_through_the_gateway(cluster, capsys):
