@@ -253,7 +253,8 @@ class DrafterPool:
         guide = None if job.constraint is None else await asyncio.to_thread(self.automata.guide, *job.constraint)
         top_k, top_p = self.config.proposal_top_k, self.config.proposal_top_p
         drafter = Drafter(slot.runner, top_k, top_p, forward, output_start=job.output_position, guide=guide)
-        ahead = _Ahead(self, slot, drafter, job) if self.config.predraft else None
+        # A tree from the context alone (rsd.lookup) costs no forward: nothing to draft ahead.
+        ahead = _Ahead(self, slot, drafter, job) if self.config.predraft and not job.method.draft_free else None
         shaper = _Shaper(job) if job.shapes else None
         method, next_tree = job.method if shaper is None else shaper.pick(), None
         async with channel(job.verifier_address, self.verifier_security) as verifier_channel:

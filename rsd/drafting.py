@@ -51,7 +51,8 @@ class DraftMode(StrEnum):
 
 class Proposal(Protocol):
     def __call__(self, token_ids: Tensor, parent_idx: Tensor, node_idx: Tensor) -> Tensor:
-        """Draft law [F, V] at nodes node_idx [F] of the partial tree (token_ids, parent_idx) [N]."""
+        """Draft law [F, V] at nodes node_idx [F] of the partial tree (token_ids, parent_idx) [N]. A row of
+        zeros proposes nothing: draft_tree keeps that node a leaf (context drafting, rsd.lookup)."""
         ...
 
 
@@ -66,7 +67,7 @@ class _TreeBuilder:
 
     def propose(self, proposal: Proposal, nodes: list[int]) -> Tensor:
         probs = proposal(self._tensor(self.token_ids), self._tensor(self.parent_idx), self._tensor(nodes))  # [F, V]
-        check_probs(probs, "proposal law")
+        check_probs(probs[~(probs == 0).all(-1)], "proposal law")  # a zero row: no proposal (draft_tree)
         self.probs.update(zip(nodes, probs, strict=True))
         return probs
 
@@ -103,9 +104,10 @@ def draft_tree(
     """A tree with branching[l] children per node at depth l, picked by `mode` (DraftMode).
 
     A node whose law has fewer than K tokens in its support gets only that many children in the
-    without-replacement and greedy modes. stop_below: a node drawn with probability below it gets
-    no children (the root always does). rng: the step's draws (Rule.draft_stream). device: where the
-    tree's tensors live (the proposal's laws stay on their own device while drafting).
+    without-replacement and greedy modes, and a node whose law is a zero row none (rsd.lookup).
+    stop_below: a node drawn with probability below it gets no children (the root always does).
+    rng: the step's draws (Rule.draft_stream). device: where the tree's tensors live (the proposal's
+    laws stay on their own device while drafting).
     """
     _check_branching(branching)
     mode = DraftMode(mode)  # ValueError for an unknown mode
@@ -116,6 +118,12 @@ def draft_tree(
         if not frontier:
             break
         probs = tree.propose(proposal, frontier)  # [F, V]
+        proposed = ~(probs == 0).all(-1)  # [F]: rows that propose something
+        if not bool(proposed.all()):
+            frontier = [n for n, ok in zip(frontier, proposed.tolist(), strict=True) if ok]
+            if not frontier:
+                break
+            probs = probs[proposed]
         node_idx = torch.tensor(frontier, dtype=torch.long, device=probs.device)  # [F]
         if mode is DraftMode.IID:
             values, ids = support(probs)  # [F, S]: draw over the support only (same law)

@@ -6,6 +6,9 @@
     spectr     "KxL"          K i.i.d. chains of length L            kseq
     rsd_c      "K1,K2,..."    Gumbel-Top-K_l children per node       rrs
     rsd_s      "WxL"          Stochastic Beam Search, W beams, L     rrs
+    lookup     "L", "K1,K2,"  children drawn from the context's own   rrs
+                              n-gram law, no draft model (rsd.lookup): a chain of up to L, or up to
+                              K_l children per node; nodes whose context does not repeat stay leaves
 
 At temperature 0 every method drafts its shape greedily (top-K children; beam search for rsd_s;
 top-K first drafts then greedy chains for spectr) and verifies by greedy matching.
@@ -32,24 +35,34 @@ from rsd.drafting import DraftMode, Proposal, draft_sbs, draft_tree
 from rsd.random import StepRandom
 from rsd.tree import DraftTree
 
-METHOD_NAMES = ("sd", "specinfer", "spectr", "rsd_c", "rsd_s")
+METHOD_NAMES = ("sd", "specinfer", "spectr", "rsd_c", "rsd_s", "lookup")
+DRAFT_FREE = ("lookup",)  # methods that draft from the context alone: no draft model runs
 # The shape each method runs with when none is given (gateway, CLI): chains of 4, trees of 5-12 nodes.
-DEFAULT_SHAPES = {"sd": "4", "specinfer": "2,2,1", "spectr": "3x4", "rsd_c": "2,2,1", "rsd_s": "3x4"}
-_RULE = {"sd": "rrs", "specinfer": "rrs_with_replacement", "spectr": "kseq", "rsd_c": "rrs", "rsd_s": "rrs"}
+DEFAULT_SHAPES = {"sd": "4", "specinfer": "2,2,1", "spectr": "3x4", "rsd_c": "2,2,1", "rsd_s": "3x4", "lookup": "6"}
+_RULE = {
+    "sd": "rrs",
+    "specinfer": "rrs_with_replacement",
+    "spectr": "kseq",
+    "rsd_c": "rrs",
+    "rsd_s": "rrs",
+    "lookup": "rrs",
+}
 VERIFICATIONS = ("token", "traversal", "block", "coupled")
-_GUMBEL_TOP_K = ("sd", "rsd_c", "rsd_s")  # children from Gumbel keys the verifier can recompute (rsd.coupled)
+_GUMBEL_TOP_K = ("sd", "rsd_c", "rsd_s", "lookup")  # children from Gumbel keys the verifier can recompute (rsd.coupled)
 _TRAVERSAL = {  # the variant exact for the method's siblings (tests/rsd/test_traversal.py)
     "sd": "traversal",
     "specinfer": "traversal_with_replacement",
     "spectr": "traversal_with_replacement",
     "rsd_c": "traversal",
     "rsd_s": "traversal",
+    "lookup": "traversal",
 }
 _DRAFT_MODE = {  # at T > 0; rsd_s drafts by Stochastic Beam Search instead
     "sd": DraftMode.WITHOUT_REPLACEMENT,
     "specinfer": DraftMode.IID,
     "spectr": DraftMode.IID,
     "rsd_c": DraftMode.WITHOUT_REPLACEMENT,
+    "lookup": DraftMode.WITHOUT_REPLACEMENT,
 }
 
 
@@ -62,7 +75,8 @@ class Method:
 
     @staticmethod
     def parse(name: str, shape: str) -> Method:
-        """Method.parse("rsd_c", "2,2,1"), ("sd", "4"), ("spectr", "3x4"), ("rsd_s", "4x5"), ("sd", "8@0.4")."""
+        """Method.parse("rsd_c", "2,2,1"), ("sd", "4"), ("spectr", "3x4"), ("rsd_s", "4x5"), ("sd", "8@0.4"),
+        ("lookup", "6"), ("lookup", "2,1,1")."""
         if name not in METHOD_NAMES:
             raise ValueError(f"unknown method {name!r}; expected one of {', '.join(METHOD_NAMES)}")
         shape, at, tau = shape.partition("@")
@@ -81,6 +95,12 @@ class Method:
             if name in ("spectr", "rsd_s"):
                 width, depth = (int(v) for v in shape.lower().split("x"))
                 parts = (width, depth)
+            elif name == "lookup" and "," not in shape:
+                parts = (1,) * int(shape)  # "L": a chain of up to L
+            elif name == "lookup":
+                parts = tuple(int(v) for v in shape.split(",") if v.strip())  # "3," is one level of 3
+                if not parts:
+                    raise ValueError
             else:
                 parts = tuple(int(v) for v in shape.split(","))
         except ValueError:
@@ -96,6 +116,11 @@ class Method:
         if name == "rsd_s":
             return Method(name, (1,) * parts[1], beam_width=parts[0])
         return Method(name, parts)
+
+    @property
+    def draft_free(self) -> bool:
+        """Drafted from the context alone (rsd.lookup): the Proposal is not a model's."""
+        return self.name in DRAFT_FREE
 
     @property
     def depth(self) -> int:

@@ -29,6 +29,7 @@ from torch import Tensor
 from rsd.acceptance import Rule, Verdict, verify
 from rsd.constraint import Guide, mask_logits
 from rsd.coupled import coupled_token
+from rsd.lookup import LookupProposal
 from rsd.methods import Method
 from rsd.penalties import TokenCounts, counts_at
 from rsd.random import Draw, StepRandom, Stream
@@ -60,7 +61,10 @@ def forward_with_catch_up(
 def commit_path(
     runner: ModelRunner, committed: list[int], tentative_of: dict[int, int], accepted_idx: list[int]
 ) -> None:
-    """Keep the catch-up chain, the root and the accepted nodes the runner has run."""
+    """Keep the catch-up chain, the root and the accepted nodes the runner has run. A tree drafted without
+    the model (rsd.lookup) ran nothing: the runner stays behind, and its next forward catches up."""
+    if not tentative_of:
+        return
     m = len(committed) - 1 - runner.cache_len  # catch-up chain length; the root follows it
     keep = list(range(m + 1)) + [tentative_of[n] for n in accepted_idx if n in tentative_of]
     runner.commit(keep)
@@ -142,22 +146,25 @@ class Drafter:
 
     def __init__(
         self,
-        runner: ModelRunner,
+        runner: ModelRunner | None,
         top_k: int = 0,
         top_p: float = 1.0,
         forward: Forward = ModelRunner.forward,
         output_start: int | None = None,
         guide: Guide | None = None,
+        vocab_size: int | None = None,
     ):
         # forward: how the runner's forwards run (rsd_runtime.packed.PackedForwards.forward packs them
-        # with other sessions' in the drafter service); guide: the generation's structured-output constraint
+        # with other sessions' in the drafter service); guide: the generation's structured-output constraint.
+        # runner None: a drafter for the methods that draft from the context alone (Method.draft_free).
         self.runner, self.top_k, self.top_p, self.forward, self.guide = runner, top_k, top_p, forward, guide
+        self.vocab_size = runner.vocab_size if runner is not None else vocab_size
         # Where the generation's output starts in the committed tokens (the penalties count from there;
         # rsd.penalties). Set by whoever starts a generation.
         self.output_start = output_start
         # The proposal of the last tree drafted (which tree nodes the runner ran): accept() commits
         # along it. rsd_runtime.predraft swaps it together with the runner's state.
-        self.proposal: ModelProposal | None = None
+        self.proposal: ModelProposal | LookupProposal | None = None
 
     def draft(
         self,
@@ -170,6 +177,11 @@ class Drafter:
         """The next tree; rng: StepRandom(seed, rule.draft_stream, len(committed) - 1). stop is asked before
         each forward; when it says True the draft raises DraftStopped. The tree is on the CPU (what the
         wire sends); the laws are drawn from on the draft model's device."""
+        if method.draft_free:
+            self.proposal = LookupProposal(committed, self.vocab_size)
+            return method.draft(self.proposal, committed[-1], rng, params.greedy, device="cpu")
+        if self.runner is None:
+            raise ValueError(f"method {method.name} needs a draft model")
         self.proposal = ModelProposal(
             self.runner, committed, params, self.top_k, self.top_p, stop, self.forward, self.output_start, self.guide
         )

@@ -124,7 +124,8 @@ class SpeculativeGenerator:
         if draft is not None and draft.vocab_size != target.vocab_size:
             raise ValueError(f"draft vocabulary {draft.vocab_size} != target vocabulary {target.vocab_size}")
         self.verifier = Verifier(target)
-        self.drafter = Drafter(draft, draft_top_k, draft_top_p) if draft is not None else None
+        # Without a draft model the drafter still drafts from the context (Method.draft_free: rsd.lookup).
+        self.drafter = Drafter(draft, draft_top_k, draft_top_p, vocab_size=target.vocab_size)
         self._next_tree: DraftTree | None = None
         self.guide: Guide | None = None  # the constraint of the generation running
 
@@ -146,10 +147,10 @@ class SpeculativeGenerator:
         params = params or SamplingParams()
         if not prompt_ids:
             raise ValueError("the prompt needs at least one token")
-        if method is not None and self.drafter is None:
+        if method is not None and not method.draft_free and self.drafter.runner is None:
             raise ValueError(f"method {method.name} needs a draft model")
         rule = method.rule(params.greedy, verification) if method is not None else None  # ValueError if not exact
-        runners = [self.verifier.runner] + ([self.drafter.runner] if self.drafter else [])
+        runners = [self.verifier.runner] + ([self.drafter.runner] if self.drafter.runner else [])
         for runner in runners:
             runner.reset()
         for engine in (self.verifier, self.drafter):  # the penalties count output from here (rsd.penalties)
@@ -157,8 +158,7 @@ class SpeculativeGenerator:
                 engine.output_start = len(prompt_ids)
         self._next_tree = None
         self.guide = None if constraint is None else Guide(constraint, len(prompt_ids))
-        if self.drafter is not None:
-            self.drafter.guide = self.guide
+        self.drafter.guide = self.guide
         stats = GenerationStats(method.name if method else "ar", rule.name if rule else "")
         committed, start, t0 = list(prompt_ids), len(prompt_ids), time.perf_counter()
         while len(committed) - start < max_new_tokens:

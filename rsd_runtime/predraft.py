@@ -313,6 +313,8 @@ class PipelinedGenerator(SpeculativeGenerator):
         return super().generate(*args, **kwargs)
 
     def before_verify(self, step: Step) -> None:
+        if step.method.draft_free:  # a tree from the context alone costs nothing to draft when it is due
+            return
         if self._pre is None:
             self._pre = PreDrafter(
                 self.drafter, step.method, step.params, step.seed, self.max_outcomes, step.draft_stream
@@ -323,6 +325,8 @@ class PipelinedGenerator(SpeculativeGenerator):
 
     def after_verdict(self, committed: list[int], verdict: Verdict, stats: GenerationStats) -> DraftTree | None:
         pre = self._pre
+        if pre is None:
+            return None
         tree = pre.take(verdict)
         stats.predraft_trees += len(pre.drafts)
         stats.wasted_draft_forwards += pre.wasted_forwards(tree)

@@ -59,6 +59,8 @@ CASES = [
     ("rsd_c", "2,2,1"),
     ("rsd_s", "3x3"),
     ("rsd_s", "3x4@0.2"),
+    ("lookup", "4"),  # from the context alone: the drafter service runs no forward (rsd.lookup)
+    ("lookup", "2,1,1"),
 ]
 
 
@@ -109,6 +111,8 @@ VERIFICATION_CASES = [
     ("rsd_s", "3x3", "traversal", "traversal"),
     ("rsd_s", "3x3", "coupled", "coupled"),  # the drafter draws from Stream.COUPLED (Rule.draft_stream)
     ("rsd_c", "2,2,1", "coupled", "coupled"),
+    ("lookup", "4", "coupled", "coupled"),
+    ("lookup", "4", "traversal", "traversal"),
 ]
 
 

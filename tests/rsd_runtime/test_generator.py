@@ -211,6 +211,43 @@ def test_coupled_rule_emits_the_target_alones_gumbel_max_sampling(pair, name, sh
             assert alone.token_ids == out.token_ids
 
 
+LOOKUP_PROMPTS = [*PROMPTS, [2, 10, 11, 12, 13, 2, 10, 11], [3, 4, 5, 3, 4, 5, 3, 4]]
+
+
+@pytest.mark.parametrize("shape", ["6", "2,1,1"])
+def test_lookup_without_a_draft_model_is_target_greedy_at_temperature_zero(pair, shape):
+    """Context drafting (rsd.lookup) needs no draft model; at T = 0 its output is the target's greedy output,
+    and on prompts that repeat it proposes (the target then accepts what it would have emitted anyway)."""
+    _, target = pair
+    gen = SpeculativeGenerator(ModelRunner(target, 256))
+    proposed = 0
+    for prompt in LOOKUP_PROMPTS:
+        out = gen.generate(prompt, Method.parse("lookup", shape), SamplingParams(temperature=0), max_new_tokens=20)
+        assert out.token_ids == target_greedy(target, prompt, 20)
+        assert out.stats.draft_forwards == 0
+        proposed += out.stats.target_calls < 20 or out.stats.new_tokens < 20
+    assert proposed > 0
+
+
+def test_lookup_first_tokens_follow_target_law_and_coupled_is_the_target_alone(tiny_vocab_pair, pair):
+    """At T > 0 the first two tokens after a prompt that repeats (so the root proposes) follow the target's law;
+    with the coupled rule the output is the target alone's Gumbel-max sampling, token for token."""
+    _, target = tiny_vocab_pair
+    gen = SpeculativeGenerator(ModelRunner(target, 64))
+    prompt, n, counts, params = [2, 5, 6, 2, 5], 1500, {}, SamplingParams(temperature=1.0)
+    for seed in range(n):
+        out = gen.generate(prompt, Method.parse("lookup", "2,1"), params, max_new_tokens=2, seed=seed)
+        counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
+    assert chi_square_pvalue(counts, target_law_two_tokens(target, prompt, params), n) > 1e-4
+    _, target = pair
+    gen = SpeculativeGenerator(ModelRunner(target, 256))
+    for seed, prompt in enumerate(LOOKUP_PROMPTS):
+        out = gen.generate(
+            prompt, Method.parse("lookup", "6"), SamplingParams(0.8), 16, seed=seed, verification="coupled"
+        )
+        assert out.token_ids == target_alone_coupled(target, prompt, SamplingParams(0.8), seed, 16)
+
+
 def test_verification_is_recorded_and_a_pairing_that_is_not_exact_is_refused(tiny_vocab_pair):
     draft, target = tiny_vocab_pair
     gen = SpeculativeGenerator(ModelRunner(target, 64), ModelRunner(draft, 64))
