@@ -32,6 +32,10 @@ class DrafterConfig(PeerTLSConfig, ModelServiceConfig):
     # Draft vocabulary: the draft model scores only its first draft_vocab ids (0 = all; see
     # rsd_runtime.models.PrunedLMHead): a cheaper output layer, still exact.
     draft_vocab: int = 0
+    # Context lookups merged into the model's trees (rsd.lookup.HybridProposal): a node whose context ends
+    # in a repeated n-gram of at least lookup_n tokens takes the law of what followed it, with no draft
+    # forward (0 = off). Exact like any draft law; it pays where the text repeats (code).
+    lookup_n: int = 0
     # Quantisation of the draft model (rsd_runtime.models.quantize_draft): "none", "int8" (int8 linear
     # layers on the CPU, per-row activations on an AVX512-VNNI kernel where the CPU has one, else torch's
     # dynamic int8; exact,
@@ -76,6 +80,7 @@ class DrafterConfig(PeerTLSConfig, ModelServiceConfig):
             "proposal_top_k": self.proposal_top_k >= 0,
             "proposal_top_p": 0 < self.proposal_top_p <= 1,
             "draft_vocab": self.draft_vocab >= 0,
+            "lookup_n": self.lookup_n >= 0,
             "quantize": self.quantize in QUANTIZE_MODES,
             "max_tree_nodes": 2 <= self.max_tree_nodes < self.max_len,
             "predraft_outcomes": self.predraft_outcomes >= 1,

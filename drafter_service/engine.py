@@ -252,7 +252,15 @@ class DrafterPool:
         # The constraint's automaton may take seconds to build the first time: off the event loop.
         guide = None if job.constraint is None else await asyncio.to_thread(self.automata.guide, *job.constraint)
         top_k, top_p = self.config.proposal_top_k, self.config.proposal_top_p
-        drafter = Drafter(slot.runner, top_k, top_p, forward, output_start=job.output_position, guide=guide)
+        drafter = Drafter(
+            slot.runner,
+            top_k,
+            top_p,
+            forward,
+            output_start=job.output_position,
+            guide=guide,
+            lookup_n=self.config.lookup_n,
+        )
         # A tree from the context alone (rsd.lookup) costs no forward: nothing to draft ahead.
         ahead = _Ahead(self, slot, drafter, job) if self.config.predraft and not job.method.draft_free else None
         shaper = _Shaper(job) if job.shapes else None

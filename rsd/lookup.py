@@ -33,10 +33,10 @@ from rsd.tree import path_to
 MIN_N, MAX_N = 2, 4  # defaults: 1-grams recur everywhere (a broad, weak law), longer n-grams rarely
 
 
-def continuation_law(context: Tensor, vocab_size: int, min_n: int = MIN_N, max_n: int = MAX_N) -> Tensor:
-    """[V] float64: the law of the token after `context` [T] (int64) looked up in the context itself, for
-    the longest n in [min_n, max_n] whose suffix n-gram occurred before (counts of what followed each
-    earlier occurrence, normalised); all zeros when none occurred."""
+def continuation(context: Tensor, vocab_size: int, min_n: int = MIN_N, max_n: int = MAX_N) -> tuple[Tensor, int]:
+    """(law [V] float64, n): the law of the token after `context` [T] (int64) looked up in the context itself,
+    for the longest n in [min_n, max_n] whose suffix n-gram occurred before (counts of what followed each
+    earlier occurrence, normalised), and that n; (all zeros, 0) when none occurred."""
     if not 1 <= min_n <= max_n:
         raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n} and {max_n}")
     law = torch.zeros(vocab_size, dtype=torch.float64, device=context.device)
@@ -47,8 +47,13 @@ def continuation_law(context: Tensor, vocab_size: int, min_n: int = MIN_N, max_n
         if bool(hits.any()):
             followers = context[n:][hits]  # [H]: the token after each earlier occurrence
             law.index_add_(0, followers, torch.ones_like(followers, dtype=torch.float64))
-            return law / law.sum()
-    return law
+            return law / law.sum(), n
+    return law, 0
+
+
+def continuation_law(context: Tensor, vocab_size: int, min_n: int = MIN_N, max_n: int = MAX_N) -> Tensor:
+    """[V] float64: continuation's law alone."""
+    return continuation(context, vocab_size, min_n, max_n)[0]
 
 
 class LookupProposal:
@@ -66,4 +71,46 @@ class LookupProposal:
             path = token_ids[path_to(parent_idx, n)].to(self.committed.device)  # [depth]
             context = torch.cat([self.committed, path])
             rows.append(continuation_law(context, self.vocab_size, self.min_n, self.max_n))
+        return torch.stack(rows)  # [F, V]
+
+
+class HybridProposal:
+    """A model's tree with context lookups merged in (`--lookup-n N`): at a node whose context ends with an
+    n-gram of N or more tokens seen before, the law is the context's (continuation); everywhere else the
+    model's. The choice is a function of the node's context alone, made before any child of it is drawn, so
+    every rule stays exact, as with any draft law; a looked-up node costs no draft forward (the model runs it
+    only as the ancestor of a node that needs the model: rsd_runtime.engines.ModelProposal).
+
+    model: the draft model's Proposal (with num_forwards and tentative_of); dtype, device: its laws' (the
+    looked-up rows are cast to them before any child is drawn, so the law sent is the law drawn from)."""
+
+    def __init__(self, model, committed: list[int], vocab_size: int, lookup_n: int, dtype, device, max_n: int = MAX_N):
+        if lookup_n < 1:
+            raise ValueError(f"lookup_n must be at least 1, got {lookup_n}")
+        self.model, self.vocab_size, self.dtype, self.device = model, vocab_size, dtype, device
+        self.committed = torch.tensor(committed, dtype=torch.long)  # [T]
+        self.min_n, self.max_n = lookup_n, max(max_n, lookup_n)
+        self.looked_up = 0  # nodes whose law came from the context
+
+    @property
+    def num_forwards(self) -> int:
+        return self.model.num_forwards
+
+    @property
+    def tentative_of(self) -> dict[int, int]:
+        return self.model.tentative_of
+
+    def __call__(self, token_ids: Tensor, parent_idx: Tensor, node_idx: Tensor) -> Tensor:
+        nodes = node_idx.tolist()
+        rows: list[Tensor | None] = []
+        for n in nodes:
+            context = torch.cat([self.committed, token_ids[path_to(parent_idx, n)].to(self.committed.device)])
+            law, found = continuation(context, self.vocab_size, self.min_n, self.max_n)
+            rows.append(law.to(self.device, self.dtype) if found else None)
+        self.looked_up += sum(r is not None for r in rows)
+        need = [i for i, r in enumerate(rows) if r is None]
+        if need:
+            model_rows = self.model(token_ids, parent_idx, node_idx[need])  # [len(need), V]
+            for i, row in zip(need, model_rows, strict=True):
+                rows[i] = row.to(self.dtype)
         return torch.stack(rows)  # [F, V]

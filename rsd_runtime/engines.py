@@ -29,7 +29,7 @@ from torch import Tensor
 from rsd.acceptance import Rule, Verdict, verify
 from rsd.constraint import Guide, mask_logits
 from rsd.coupled import coupled_token
-from rsd.lookup import LookupProposal
+from rsd.lookup import HybridProposal, LookupProposal
 from rsd.methods import Method
 from rsd.penalties import TokenCounts, counts_at
 from rsd.random import Draw, StepRandom, Stream
@@ -44,10 +44,11 @@ def forward_with_catch_up(
     token_ids: Tensor,
     parent_idx: Tensor,
     forward: Forward = ModelRunner.forward,
+    logits_rows: int | None = None,
 ) -> Tensor:
     """Run the committed tokens the runner has not cached yet (all but the last committed token) as a
-    chain, then a tree whose node 0 is the last committed token. Returns the tree's logits [N, V].
-    parent_idx [N] is the tree's (root -1); returns logits for the tree nodes only."""
+    chain, then a tree whose node 0 is the last committed token. Returns the tree's logits [N, V] (or its
+    last logits_rows rows). parent_idx [N] is the tree's (root -1)."""
     behind = committed[runner.cache_len : len(committed) - 1]
     if runner.num_tentative or runner.cache_len > len(committed) - 1:
         raise RuntimeError("runner out of sync with the committed tokens")  # a bug, not bad input
@@ -55,7 +56,8 @@ def forward_with_catch_up(
     ids = torch.tensor(behind + token_ids.tolist(), dtype=torch.long)
     chain = list(range(-1, m - 1))
     parents = torch.tensor(chain + [p + m if p >= 0 else m - 1 for p in parent_idx.tolist()], dtype=torch.long)
-    return forward(runner, ids, parents, logits_rows=len(token_ids))  # the chain needs no logits
+    rows = len(token_ids) if logits_rows is None else logits_rows
+    return forward(runner, ids, parents, logits_rows=rows)  # the chain needs no logits
 
 
 def commit_path(
@@ -104,16 +106,27 @@ class ModelProposal:
         nodes = node_idx.tolist()
         if self.stop is not None and self.stop():
             raise DraftStopped
-        if not self.tentative_of:  # first level: the root (plus any catch-up chain)
-            assert nodes == [0], "the first proposal is asked at the root"
+        # The nodes, after any ancestor the runner has not run (a node whose law was looked up in the context,
+        # rsd.lookup.HybridProposal): parents always come before children in a tree's numbering.
+        ancestors = {a for n in nodes for a in [0, *path_to(parent_idx, n)] if a not in self.tentative_of}
+        rows = sorted(ancestors - set(nodes)) + nodes
+        if not self.tentative_of:  # the first forward: the root (plus any catch-up chain) heads the rows
+            assert rows[0] == 0, "the first forward starts at the root"
+            local = {n: i for i, n in enumerate(rows)}
+            parents = torch.tensor([local[int(parent_idx[n])] if n else -1 for n in rows])
             m = len(self.committed) - 1 - self.runner.cache_len
-            logits = forward_with_catch_up(self.runner, self.committed, token_ids[:1], parent_idx[:1], self.forward)
-            self.tentative_of[0] = m
+            logits = forward_with_catch_up(
+                self.runner, self.committed, token_ids[rows], parents, self.forward, logits_rows=len(nodes)
+            )
+            self.tentative_of.update({n: m + i for i, n in enumerate(rows)})
         else:
-            parents = torch.tensor([self.tentative_of[int(parent_idx[n])] for n in nodes])
             base = self.runner.num_tentative
-            logits = self.forward(self.runner, token_ids[node_idx], parents)  # [F, V]
-            self.tentative_of.update({n: base + i for i, n in enumerate(nodes)})
+            index = {n: base + i for i, n in enumerate(rows)}
+            parents = torch.tensor(
+                [self.tentative_of.get(int(parent_idx[n]), index.get(int(parent_idx[n]))) for n in rows]
+            )
+            logits = self.forward(self.runner, token_ids[rows], parents, logits_rows=len(nodes))  # [F, V]
+            self.tentative_of.update(index)
         self.num_forwards += 1
         if self.guide is not None:
             masks = self.guide.tree_masks(self.committed, token_ids, parent_idx, logits.shape[-1], nodes)  # [F, V]
@@ -153,18 +166,22 @@ class Drafter:
         output_start: int | None = None,
         guide: Guide | None = None,
         vocab_size: int | None = None,
+        lookup_n: int = 0,
     ):
         # forward: how the runner's forwards run (rsd_runtime.packed.PackedForwards.forward packs them
         # with other sessions' in the drafter service); guide: the generation's structured-output constraint.
         # runner None: a drafter for the methods that draft from the context alone (Method.draft_free).
         self.runner, self.top_k, self.top_p, self.forward, self.guide = runner, top_k, top_p, forward, guide
+        # lookup_n > 0: a model's tree takes the context's law at nodes ending in a repeated n-gram of at least
+        # lookup_n tokens (rsd.lookup.HybridProposal), skipping their draft forwards; 0: the model's law everywhere.
+        self.lookup_n = lookup_n
         self.vocab_size = runner.vocab_size if runner is not None else vocab_size
         # Where the generation's output starts in the committed tokens (the penalties count from there;
         # rsd.penalties). Set by whoever starts a generation.
         self.output_start = output_start
         # The proposal of the last tree drafted (which tree nodes the runner ran): accept() commits
         # along it. rsd_runtime.predraft swaps it together with the runner's state.
-        self.proposal: ModelProposal | LookupProposal | None = None
+        self.proposal: ModelProposal | LookupProposal | HybridProposal | None = None
 
     def draft(
         self,
@@ -185,6 +202,11 @@ class Drafter:
         self.proposal = ModelProposal(
             self.runner, committed, params, self.top_k, self.top_p, stop, self.forward, self.output_start, self.guide
         )
+        if self.lookup_n:
+            dtype = torch.float64 if self.runner.dtype == torch.float64 else torch.float32  # proposal_probs'
+            self.proposal = HybridProposal(
+                self.proposal, committed, self.vocab_size, self.lookup_n, dtype, self.runner.device
+            )
         return method.draft(self.proposal, committed[-1], rng, params.greedy, device="cpu")
 
     def accept(self, committed_before: list[int], verdict: Verdict) -> None:

@@ -120,12 +120,20 @@ class SpeculativeGenerator:
     method None means plain autoregressive decoding with the target alone.
     """
 
-    def __init__(self, target: ModelRunner, draft: ModelRunner | None = None, draft_top_k: int = 0, draft_top_p=1.0):
+    def __init__(
+        self,
+        target: ModelRunner,
+        draft: ModelRunner | None = None,
+        draft_top_k: int = 0,
+        draft_top_p=1.0,
+        lookup_n: int = 0,
+    ):
         if draft is not None and draft.vocab_size != target.vocab_size:
             raise ValueError(f"draft vocabulary {draft.vocab_size} != target vocabulary {target.vocab_size}")
         self.verifier = Verifier(target)
         # Without a draft model the drafter still drafts from the context (Method.draft_free: rsd.lookup).
-        self.drafter = Drafter(draft, draft_top_k, draft_top_p, vocab_size=target.vocab_size)
+        # lookup_n: context lookups merged into the model's trees (Drafter.lookup_n; 0 = off).
+        self.drafter = Drafter(draft, draft_top_k, draft_top_p, vocab_size=target.vocab_size, lookup_n=lookup_n)
         self._next_tree: DraftTree | None = None
         self.guide: Guide | None = None  # the constraint of the generation running
 

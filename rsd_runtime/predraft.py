@@ -244,6 +244,7 @@ class PreDrafter:
         self._synced[shadow] = self.runner.cache_len  # committed: neither changes it before the verdict
         top_k, top_p = self.drafter.top_k, self.drafter.top_p
         drafter = Drafter(shadow, top_k, top_p, self.drafter.forward, self.drafter.output_start, self.drafter.guide)
+        drafter.lookup_n = self.drafter.lookup_n  # the same laws as the drafter's own
         try:
             prefix, tree = self._draft_for(drafter, outcome, stop)
         except DraftStopped:
@@ -259,8 +260,13 @@ class PreDrafter:
         path_prob = [1.0] * tree.num_nodes
         for n in range(1, tree.num_nodes):
             path_prob[n] = path_prob[parents[n]] * float(tree.draft_probs[parents[n], tokens[n]])
-        laws = {n: tree.draft_probs[n] for n in ran}
-        leaves = sorted((n for n in range(tree.num_nodes) if n not in ran), key=lambda n: -path_prob[n])
+        # Every node with a law: those the model ran, and those whose law was looked up in the context
+        # (rsd.lookup.HybridProposal; never run). The leaves under a node the model ran get theirs below.
+        expanded = tree.draft_probs.any(-1).tolist()
+        laws = {n: tree.draft_probs[n] for n in range(tree.num_nodes) if n in ran or expanded[n]}
+        leaves = sorted(
+            (n for n in range(tree.num_nodes) if n not in laws and parents[n] in ran), key=lambda n: -path_prob[n]
+        )
         laws.update(self._leaf_laws(leaves[: self.max_outcomes], stop))
         scored = []
         for v, law in laws.items():
@@ -293,7 +299,8 @@ class PreDrafter:
             )
         self.num_forwards += 1
         self.runner.restore(self.base)
-        laws = self.sent.law(logits, self.tree.token_ids, self.tree.parent_idx, torch.tensor(leaves))  # [F, V]
+        model = getattr(self.sent, "model", self.sent)  # a HybridProposal's model part
+        laws = model.law(logits, self.tree.token_ids, self.tree.parent_idx, torch.tensor(leaves))  # [F, V]
         return dict(zip(leaves, laws, strict=True))
 
 

@@ -69,10 +69,17 @@ def _add_generate(sub) -> None:
     )
     p.add_argument(
         "--target-numeric",
-        default="exact",
-        choices=NUMERICS,
+        default="auto",
+        choices=[*NUMERICS, "auto"],
         help="a GGUF target's numeric mode: exact (its float32 weights) or q8_activations (int8 activations as "
-        "llama.cpp computes: another deterministic function, speculation against it still exact; CPU float32)",
+        "llama.cpp computes: another deterministic function, speculation against it still exact; CPU float32); "
+        "auto: q8_activations where the model is a GGUF file and this CPU runs the kernel, else exact",
+    )
+    p.add_argument(
+        "--draft-numeric",
+        default="auto",
+        choices=[*NUMERICS, "auto"],
+        help="the GGUF drafter's numeric mode, as --target-numeric (the draft's numeric never changes the output law)",
     )
     p.add_argument("--draft-top-k", type=int, default=0, help="drafter-side truncation of its proposal")
     p.add_argument("--draft-top-p", type=float, default=1.0)
@@ -98,6 +105,14 @@ def _add_generate(sub) -> None:
         default=0,
         metavar="K",
         help="the drafter scores only the first K vocabulary ids (a cheaper output layer; still exact; 0 = all)",
+    )
+    p.add_argument(
+        "--lookup-n",
+        type=int,
+        default=0,
+        metavar="N",
+        help="merge context lookups into the model's trees: a node whose context ends in a repeated n-gram of "
+        ">= N tokens takes the law of what followed it, with no draft forward (still exact; 0 = off)",
     )
     p.add_argument(
         "--predraft",
@@ -230,17 +245,34 @@ def generate(args) -> int:
         except UnsupportedModelError as e:
             raise SystemExit(f"error: {path}: {e}") from None
 
-    target = load(target_dir, args.target_device, args.target_dtype, numeric=args.target_numeric)
+    from rsd_tools.cluster import serving_numeric
+
+    target_numeric = serving_numeric(
+        args.target_numeric, target_dir, dtype=args.target_dtype, device=args.target_device
+    )
+    print(f"  target numeric {target_numeric}", file=sys.stderr)
+    target = load(target_dir, args.target_device, args.target_dtype, numeric=target_numeric)
     draft = None
-    if method is not None:
-        print(f"loading draft {draft_dir} ({args.draft_device}, {args.draft_dtype})", file=sys.stderr)
-        draft = load(draft_dir, args.draft_device, args.draft_dtype, args.draft_vocab, args.draft_quantize)
+    if method is not None and not method.draft_free:
+        draft_numeric = serving_numeric(args.draft_numeric, draft_dir, dtype=args.draft_dtype, device=args.draft_device)
+        print(
+            f"loading draft {draft_dir} ({args.draft_device}, {args.draft_dtype}, numeric {draft_numeric})",
+            file=sys.stderr,
+        )
+        draft = load(
+            draft_dir, args.draft_device, args.draft_dtype, args.draft_vocab, args.draft_quantize, draft_numeric
+        )
     if args.predraft and draft is not None:
         gen = PipelinedGenerator(
-            target, draft, args.predraft, draft_top_k=args.draft_top_k, draft_top_p=args.draft_top_p
+            target,
+            draft,
+            args.predraft,
+            draft_top_k=args.draft_top_k,
+            draft_top_p=args.draft_top_p,
+            lookup_n=args.lookup_n,
         )
     else:
-        gen = SpeculativeGenerator(target, draft, args.draft_top_k, args.draft_top_p)
+        gen = SpeculativeGenerator(target, draft, args.draft_top_k, args.draft_top_p, args.lookup_n)
     prompt_ids = tokenizer.encode(args.prompt)
     eos = tuple(i for i in [tokenizer.eos_token_id] if i is not None)
     out = gen.generate(prompt_ids, method, params, args.max_new_tokens, eos, args.seed, args.verification)

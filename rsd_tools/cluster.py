@@ -264,9 +264,9 @@ def keep_running(cluster: Cluster, max_restarts: int, should_stop: Callable[[], 
     return 0
 
 
-def serving_numeric(numeric: str, *model_dirs: Path, dtype: str = "float32") -> str:
+def serving_numeric(numeric: str, *model_dirs: Path, dtype: str = "float32", device: str = "cpu") -> str:
     """--numeric auto: the fastest numeric that is exact against itself, "q8_activations" (int8 activations on a
-    GGUF pair's own blocks, as llama.cpp computes; rsd_runtime.quant_q8) where both models are GGUF files and this
+    GGUF pair's own blocks, as llama.cpp computes; rsd_runtime.quant_q8) where every model is a GGUF file and this
     CPU runs its kernel in float32, else "exact". Either is one deterministic function of the weights: T = 0 is
     the target alone's greedy output in that numeric."""
     if numeric != "auto":
@@ -275,7 +275,7 @@ def serving_numeric(numeric: str, *model_dirs: Path, dtype: str = "float32") -> 
     from rsd_runtime.gguf_model import gguf_file
 
     gguf = all(gguf_file(d) is not None for d in model_dirs)
-    if dtype not in ("float32", "auto") or quant_q8.unavailable_reason("cpu", gguf=gguf):
+    if dtype not in ("float32", "auto") or quant_q8.unavailable_reason(device, gguf=gguf):
         return "exact"
     return "q8_activations"
 

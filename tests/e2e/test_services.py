@@ -143,6 +143,27 @@ def test_every_verification_matches_in_process_generator(models):
     asyncio.run(main())
 
 
+def test_lookups_merged_into_the_drafters_trees_match_the_in_process_generator(models):
+    """The drafter service with lookup_n 2 (rsd.lookup.HybridProposal) on a prompt that repeats, pre-drafting on:
+    T = 0 is the target's greedy output, T = 0.8 SpeculativeGenerator(lookup_n=2)'s tokens with the same seed."""
+    prompt = [*PROMPT, *PROMPT[:4]]
+    greedy = SpeculativeGenerator(ModelRunner(models[1], MAX_LEN)).generate(prompt, None, SamplingParams(0), NEW_TOKENS)
+    jobs = []
+    for i, (name, shape) in enumerate([("sd", "3"), ("rsd_s", "2x3"), ("rsd_c", "2,1,1")]):
+        jobs.append((f"greedy-{i}", gen_params(name, shape, 0.0, seed=i), greedy.token_ids))
+        expected = reference(models, prompt, Method.parse(name, shape), SamplingParams(0.8), 300 + i, lookup_n=2)
+        jobs.append((f"sample-{i}", gen_params(name, shape, 0.8, seed=300 + i), expected))
+
+    async def main():
+        drafter_cfg = {"max_sessions": len(jobs), "lookup_n": 2, "predraft": True}
+        async with services(models, {"num_slots": len(jobs)}, drafter_cfg) as (vhandle, _, stub, _):
+            outs = await asyncio.gather(*(run(stub, vhandle, sid, params, committed=prompt) for sid, params, _ in jobs))
+        for (sid, _, expected), (tokens, _) in zip(jobs, outs, strict=True):
+            assert tokens == expected, sid
+
+    asyncio.run(main())
+
+
 # ---------------------------------------------------------------------------------------------
 # 2. several sessions at once, packed into shared forwards
 

@@ -10,7 +10,7 @@ import torch
 
 from rsd.acceptance import RULES, verify
 from rsd.drafting import DraftMode, draft_tree
-from rsd.lookup import LookupProposal, continuation_law
+from rsd.lookup import MAX_N, HybridProposal, LookupProposal, continuation, continuation_law
 from rsd.methods import Method
 from rsd.random import StepRandom, Stream
 from rsd_wire.convert import method_shape
@@ -115,3 +115,72 @@ def test_lookup_shapes_parse_and_round_trip(shape, branching):
     assert method.rule(False, "coupled").coupled  # the coupled rule is exact for any drafter's draws
     with pytest.raises(ValueError):
         Method.parse("lookup", ",")
+
+
+# ---- the model's tree with lookups merged in (HybridProposal, --lookup-n)
+
+
+def hybrid_table(context: list[int], model: toy.Table, lookup_n: int) -> toy.Table:
+    """HybridProposal's law at a path: the context's where an n-gram of >= lookup_n recurs, else the model's."""
+
+    def law(path):
+        found = continuation(torch.tensor([*context, *path]), V, lookup_n, max(MAX_N, lookup_n))
+        return found[0] if found[1] else model(path)
+
+    return law
+
+
+class CountingTable(toy.TableProposal):
+    """A model Proposal that records the nodes it was asked for."""
+
+    def __init__(self, table):
+        super().__init__(table)
+        self.asked: list[int] = []
+        self.num_forwards, self.tentative_of = 0, {}
+
+    def __call__(self, token_ids, parent_idx, node_idx):
+        self.asked += node_idx.tolist()
+        return super().__call__(token_ids, parent_idx, node_idx)
+
+
+@pytest.mark.parametrize("lookup_n", [2, 3])
+def test_hybrid_proposal_states_the_lookup_law_where_the_context_repeats_else_the_models(lookup_n):
+    context, model = CONTEXTS["two_followers"], toy.random_table(7, V)
+    proposal = CountingTable(model)
+    hybrid = HybridProposal(proposal, context, V, lookup_n, torch.float64, "cpu")
+    tree = draft_tree(hybrid, 0, [2, 1, 1], WOR, StepRandom(0, Stream.DRAFT, 0))
+    expected = hybrid_table(context, model, lookup_n)
+    expanded = [n for n in range(tree.num_nodes) if tree.draft_probs[n].sum() > 0]
+    for n in expanded:
+        assert torch.equal(tree.draft_probs[n], expected(toy.path_tokens(tree.token_ids, tree.parent_idx, n)))
+    looked_up = [n for n in expanded if n not in proposal.asked]  # the model ran nowhere else
+    assert sorted(proposal.asked) == [n for n in expanded if n not in looked_up]
+    assert hybrid.looked_up == len(looked_up)
+    assert (0 in looked_up) == (lookup_n == 2)  # "1 0" recurs before the root; no 3-gram ending there does
+    with pytest.raises(ValueError, match="lookup_n"):
+        HybridProposal(proposal, context, V, 0, torch.float64, "cpu")
+
+
+@pytest.mark.parametrize("rule", RULES_T1)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("context", ["two_followers", "one_follower"])
+@pytest.mark.parametrize("target_seed", [1, 2])
+def test_hybrid_trees_are_exact_for_every_rule(context, shape, rule, target_seed):
+    branching = SHAPES[shape]
+    if rule == "block" and branching != [1] * len(branching):
+        pytest.skip("block verification is for chains")
+    table = hybrid_table(CONTEXTS[context], toy.random_table(8, V, support=3), 2)
+    trees = toy.branching_tree_law(table, V, branching, WOR)
+    assert abs(sum(p for _, p in trees) - 1) < TOL
+    target = toy.random_table(target_seed, V, zeros=(2,) if target_seed == 2 else ())
+    law = toy.speculative_law(trees, target, RULES[rule], len(branching) + 1)
+    assert toy.max_abs_diff(law, toy.extend((), target, len(branching) + 1)) < TOL
+
+
+@pytest.mark.parametrize("target_seed", [1, 2])
+def test_hybrid_beam_search_trees_are_exact(target_seed):
+    table = hybrid_table(CONTEXTS["two_followers"], toy.random_table(9, V), 2)
+    trees = toy.sbs_tree_law(table, V, 2, 2)
+    target = toy.random_table(target_seed, V, zeros=(2,) if target_seed == 2 else ())
+    law = toy.speculative_law(trees, target, RULES["rrs"], 3)
+    assert toy.max_abs_diff(law, toy.extend((), target, 3)) < TOL

@@ -248,6 +248,46 @@ def test_lookup_first_tokens_follow_target_law_and_coupled_is_the_target_alone(t
         assert out.token_ids == target_alone_coupled(target, prompt, SamplingParams(0.8), seed, 16)
 
 
+@pytest.mark.parametrize("method", [("sd", "4"), ("rsd_c", "2,1,1"), ("rsd_s", "2x3")])
+def test_lookups_merged_into_the_models_tree_keep_the_target_greedy_output(pair, method):
+    """--lookup-n 2: nodes whose context repeats take the context's law and cost no draft forward (the model
+    runs them only as ancestors of a node that needs it); at T = 0 the output is still the target's greedy
+    output, and on prompts that repeat the drafter runs fewer forwards than without lookups."""
+    draft, target = pair
+    plain = SpeculativeGenerator(ModelRunner(target, 256), ModelRunner(draft, 256))
+    hybrid = SpeculativeGenerator(ModelRunner(target, 256), ModelRunner(draft, 256), lookup_n=2)
+    saved = 0
+    for prompt in LOOKUP_PROMPTS:
+        out = hybrid.generate(prompt, Method.parse(*method), SamplingParams(temperature=0), max_new_tokens=20)
+        assert out.token_ids == target_greedy(target, prompt, 20)
+        base = plain.generate(prompt, Method.parse(*method), SamplingParams(temperature=0), max_new_tokens=20)
+        saved += base.stats.draft_forwards / base.stats.target_calls - out.stats.draft_forwards / out.stats.target_calls
+    assert saved > 0
+
+
+@pytest.mark.parametrize("first", [[0], []])
+def test_the_model_proposal_runs_the_ancestors_it_has_not_run(pair, first):
+    """Asked for a node whose ancestors it never ran (a looked-up law above it, or nothing run yet this step),
+    the draft model runs them first in the same forward: the law is the draft model's after the whole path."""
+    from rsd.sampling import logits_to_probs
+    from rsd_runtime.engines import ModelProposal
+
+    draft, _ = pair
+    prompt, params = PROMPTS[0], SamplingParams(temperature=1.0)
+    token_ids, parent_idx = torch.tensor([prompt[-1], 7, 9, 4]), torch.tensor([-1, 0, 1, 0])
+    proposal = ModelProposal(ModelRunner(draft, 256), prompt, params)
+    if first:
+        proposal(token_ids, parent_idx, torch.tensor(first))
+    law = proposal(token_ids, parent_idx, torch.tensor([2, 3]))  # node 2's parent 1 never ran
+    assert sorted(proposal.tentative_of) == [0, 1, 2, 3] and proposal.num_forwards == 1 + len(first)
+    fresh = ModelRunner(draft, 256)
+    for row, path in enumerate([[7, 9], [4]]):
+        ids = prompt + path
+        fresh.reset()
+        logits = fresh.forward(torch.tensor(ids), torch.arange(-1, len(ids) - 1), logits_rows=1)
+        assert torch.allclose(law[row], logits_to_probs(logits, params)[0], atol=1e-5)
+
+
 def test_verification_is_recorded_and_a_pairing_that_is_not_exact_is_refused(tiny_vocab_pair):
     draft, target = tiny_vocab_pair
     gen = SpeculativeGenerator(ModelRunner(target, 64), ModelRunner(draft, 64))
