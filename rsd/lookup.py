@@ -100,6 +100,10 @@ class HybridProposal:
     def tentative_of(self) -> dict[int, int]:
         return self.model.tentative_of
 
+    def law(self, *args) -> Tensor:
+        """The model's law from its logits (the pre-drafter ranks outcomes by it)."""
+        return self.model.law(*args)
+
     def __call__(self, token_ids: Tensor, parent_idx: Tensor, node_idx: Tensor) -> Tensor:
         nodes = node_idx.tolist()
         rows: list[Tensor | None] = []

@@ -309,6 +309,11 @@ def main(argv: list[str] | None = None) -> int:
     log(f"{len(prompts)} prompts x {args.max_new_tokens} tokens, T {temps}, methods {args.methods}")
 
     placements = args.ar_placements.split(";")
+    if len(placements) != 2:
+        raise SystemExit(
+            f"error: --ar-placements takes two ';'-separated core lists (the verifier's, the whole machine's), "
+            f"got {args.ar_placements!r}"
+        )
     ar_dtypes = list(dict.fromkeys([args.dtype, *(d.strip() for d in args.ar_dtypes.split(",") if d.strip())]))
     ar_runs, variance = {}, {}
     for key, cores in zip(("same_core", "whole_machine"), placements, strict=True):

@@ -243,8 +243,15 @@ class PreDrafter:
         shadow.copy_from(self.runner, self._synced.get(shadow, 0))
         self._synced[shadow] = self.runner.cache_len  # committed: neither changes it before the verdict
         top_k, top_p = self.drafter.top_k, self.drafter.top_p
-        drafter = Drafter(shadow, top_k, top_p, self.drafter.forward, self.drafter.output_start, self.drafter.guide)
-        drafter.lookup_n = self.drafter.lookup_n  # the same laws as the drafter's own
+        drafter = Drafter(
+            shadow,
+            top_k,
+            top_p,
+            self.drafter.forward,
+            self.drafter.output_start,
+            self.drafter.guide,
+            lookup_n=self.drafter.lookup_n,  # the same laws as the drafter's own
+        )
         try:
             prefix, tree = self._draft_for(drafter, outcome, stop)
         except DraftStopped:
@@ -299,8 +306,7 @@ class PreDrafter:
             )
         self.num_forwards += 1
         self.runner.restore(self.base)
-        model = getattr(self.sent, "model", self.sent)  # a HybridProposal's model part
-        laws = model.law(logits, self.tree.token_ids, self.tree.parent_idx, torch.tensor(leaves))  # [F, V]
+        laws = self.sent.law(logits, self.tree.token_ids, self.tree.parent_idx, torch.tensor(leaves))  # [F, V]
         return dict(zip(leaves, laws, strict=True))
 
 
