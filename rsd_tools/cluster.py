@@ -40,9 +40,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import secrets
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -130,6 +132,7 @@ def start_cluster(args: argparse.Namespace) -> Cluster:
     numeric = serving_numeric(args.numeric, target_dir, draft_dir, dtype=args.dtype)
     model_flags += ["--numeric", numeric] if numeric != "exact" else []
     print(f"[cluster] numeric {numeric} (--numeric {args.numeric})", file=sys.stderr)
+    cluster.numeric = numeric
     drafter_flags = ["--quantize", args.draft_quantize] if args.draft_quantize != "none" else []
     drafter_flags += [] if predraft_on(args) else ["--predraft", "false"]  # the drafter's default is on
     sec = cluster.security
@@ -177,9 +180,14 @@ def start_cluster(args: argparse.Namespace) -> Cluster:
 
 
 def run_generation(
-    address: str, args: argparse.Namespace, out=sys.stdout, security: ClientSecurity | None = None
+    address: str,
+    args: argparse.Namespace,
+    out=sys.stdout,
+    security: ClientSecurity | None = None,
+    rates: list[float] | None = None,
 ) -> str:
-    """One generation through the gateway, streamed to `out`; stats to stderr. Returns the text."""
+    """One generation through the gateway, streamed to `out`; stats to stderr. Returns the text (its tokens/s
+    appended to `rates` when given)."""
     from rsd_service.client import RsdClient
 
     prompt = args.prompt if args.prompt is not None else (TINY_PROMPT if args.tiny else CODE_PROMPT)
@@ -198,11 +206,45 @@ def run_generation(
             out.write(delta.text)
             out.flush()
         out.write("\n")
-        print_stats(gen, time.perf_counter() - t0)
+        rate = print_stats(gen, time.perf_counter() - t0)
+    if rates is not None and rate is not None:
+        rates.append(rate)
     return gen.text
 
 
-def print_stats(gen, wall_s: float) -> None:
+def target_alone_command(args: argparse.Namespace, numeric: str) -> list[str]:
+    """`rsd generate --method ar` with the cluster's prompt, sampling, target, dtype, numeric and verifier cores:
+    the same generation from the target alone in one process, which is what speculation must beat."""
+    prompt = args.prompt if args.prompt is not None else (TINY_PROMPT if args.tiny else CODE_PROMPT)
+    cmd = [sys.executable, "-m", "rsd_cli", "generate", "--method", "ar", "--prompt", prompt]
+    cmd += ["--temperature", str(args.temperature), "--max-new-tokens", str(args.max_new_tokens)]
+    cmd += ["--seed", str(args.seed), "--target-dtype", args.dtype, "--target-numeric", numeric]
+    cmd += ["--tiny"] if args.tiny else []
+    cmd += ["--target", str(args.target)] if args.target else []
+    cmd += ["--cache-dir", str(args.cache_dir)] if args.cache_dir else []
+    cmd += ["--cores", args.verifier_cores] if args.verifier_cores else []
+    return cmd + (["--threads", str(args.threads)] if args.threads else [])
+
+
+def compare_target_alone(args: argparse.Namespace, numeric: str, speculative_tok_s: float) -> float | None:
+    """Run target_alone_command (the cluster stopped: the cores are free) and print both rates and their ratio
+    (each generation's tokens over its wall time, prefill included, model loading not). -> the target's tok/s."""
+    done = subprocess.run(target_alone_command(args, numeric), capture_output=True, text=True, env=service_env())
+    found = re.search(r"\(([\d.]+) tok/s\)", done.stderr)
+    if done.returncode or not found:
+        print(f"[cluster] the target alone failed (exit {done.returncode}):\n{done.stderr[-2000:]}", file=sys.stderr)
+        return None
+    alone = float(found.group(1))
+    print(
+        f"[cluster] target alone in one process: {alone:.2f} tok/s; speculative through the cluster: "
+        f"{speculative_tok_s:.2f} tok/s = {speculative_tok_s / max(alone, 1e-9):.2f}x the target alone",
+        file=sys.stderr,
+    )
+    return alone
+
+
+def print_stats(gen, wall_s: float) -> float | None:
+    """Print the generation's stats line; -> its tokens/s (None without a finish event)."""
     from rsd_wire import common_pb2
 
     f = gen.finished
@@ -212,7 +254,7 @@ def print_stats(gen, wall_s: float) -> None:
     where += f" verification={params.verification or 'token'} rule={rule or '-'}" if params else ""
     if f is None:
         print(f"\n[{where}] stream ended without a finish event", file=sys.stderr)
-        return
+        return None
     steps = max(f.num_steps, 1)
     accepted = sum(s.num_accepted_tokens for s in gen.steps)
     drafted = sum(s.num_draft_tokens for s in gen.steps)
@@ -223,6 +265,7 @@ def print_stats(gen, wall_s: float) -> None:
         f"finish {common_pb2.FinishReason.Name(f.reason)}, committed length {f.committed_length_tokens}",
         file=sys.stderr,
     )
+    return f.num_new_tokens / max(wall_s, 1e-9)
 
 
 def _exit_status(code: int) -> str:
@@ -320,6 +363,12 @@ def build_parser() -> argparse.ArgumentParser:
     sec.add_argument("--auth-token-file", default="", help="the public API's bearer token")
     sec.add_argument("--internal-token-file", default="", help="the internal hops' shared secret")
     ap.add_argument("--no-generate", action="store_true", help="skip the demo generation")
+    ap.add_argument(
+        "--compare-target-alone",
+        action="store_true",
+        help="after the generation and the cluster's stop, run it through the target alone in one process "
+        "(rsd generate --method ar, same settings and cores) and print both tokens/s and their ratio",
+    )
     ap.add_argument("--no-redis", action="store_true", help="use the gateway's embedded store even if redis exists")
     ap.add_argument("--prompt", default=None)
     ap.add_argument("--method", default=DEFAULT_METHOD)
@@ -392,9 +441,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[cluster] secured: {cluster.security.summary()}; a client connects with:", file=sys.stderr)
         how = cluster.security.how_to_connect(cluster.gateway_address, cluster.http_url)
         print("\n".join(how), file=sys.stderr, flush=True)
+    rates: list[float] = []
     try:
         if not args.no_generate:
-            run_generation(cluster.gateway_address, args, security=cluster.client_security())
+            run_generation(cluster.gateway_address, args, security=cluster.client_security(), rates=rates)
         if args.keep_running:
             print(f"[cluster] gateway at {cluster.gateway_address}; Ctrl-C stops the cluster", file=sys.stderr)
             if not cluster.security.enabled:
@@ -415,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
         t_stop = time.monotonic()
         cluster.stop(args.stop_timeout_s)
         print(f"[cluster] stopped in {time.monotonic() - t_stop:.1f} s", file=sys.stderr)
+    if args.compare_target_alone and rates:
+        compare_target_alone(args, cluster.numeric, rates[0])
     return 0
 
 

@@ -265,6 +265,7 @@ class Cluster:
     redis_url: str = ""
     gateway_address: str = ""  # the first gateway's
     http_url: str = ""  # the first gateway's OpenAI-compatible API, http(s)://host:port/v1
+    numeric: str = "exact"  # the model services' numeric (rsd cluster: serving_numeric)
     security: ClusterSecurity = field(default_factory=ClusterSecurity)
 
     def spawn(self, name: str, cmd: list[str], env: dict[str, str], address: str = "") -> Process:

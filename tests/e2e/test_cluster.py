@@ -23,7 +23,15 @@ from rsd_runtime import quant_q8
 from rsd_service.client import RsdClient
 from rsd_service.security import ClientSecurity, channel
 from rsd_tools import cli
-from rsd_tools.cluster import build_parser, cluster_security, run_generation, serving_numeric, start_cluster
+from rsd_tools.cluster import (
+    build_parser,
+    cluster_security,
+    compare_target_alone,
+    run_generation,
+    serving_numeric,
+    start_cluster,
+    target_alone_command,
+)
 from rsd_tools.launcher import ClusterSecurity
 from rsd_wire import common_pb2, verifier_pb2, verifier_pb2_grpc
 
@@ -86,6 +94,17 @@ def test_generation_through_the_gateway(cluster, capsys):
     assert session.verifier_id == "verifier-0" and session.drafter_id == "drafter-0"
     assert [line.split()[0] for line in started.describe()] == [p.name for p in started.processes]
     assert all(f"pid {p.proc.pid}" in line for p, line in zip(started.processes, started.describe(), strict=True))
+
+
+def test_compare_target_alone_runs_the_same_generation_without_speculation(cluster, capsys):
+    """--compare-target-alone (scripts/run.sh sets it): the cluster's prompt and settings through `rsd generate
+    --method ar`, its tokens/s printed beside the speculative rate."""
+    _, args = cluster
+    cmd = target_alone_command(args, "exact")
+    assert cmd[cmd.index("--method") + 1] == "ar" and "--tiny" in cmd and cmd[cmd.index("--seed") + 1] == "0"
+    alone = compare_target_alone(args, "exact", 1.0)
+    assert alone is not None and alone > 0
+    assert f"= {1.0 / alone:.2f}x the target alone" in capsys.readouterr().err
 
 
 def test_cli_generate_with_server(cluster, capsys):
