@@ -179,6 +179,11 @@ def start_cluster(args: argparse.Namespace) -> Cluster:
     return cluster
 
 
+def demo_prompt(args: argparse.Namespace) -> str:
+    """The generation's prompt: --prompt, else the tiny pair's or the code prompt."""
+    return args.prompt if args.prompt is not None else (TINY_PROMPT if args.tiny else CODE_PROMPT)
+
+
 def run_generation(
     address: str,
     args: argparse.Namespace,
@@ -190,7 +195,7 @@ def run_generation(
     appended to `rates` when given)."""
     from rsd_service.client import RsdClient
 
-    prompt = args.prompt if args.prompt is not None else (TINY_PROMPT if args.tiny else CODE_PROMPT)
+    prompt = demo_prompt(args)
     with RsdClient(address, security=security) as client:
         gen = client.generate(
             prompt,
@@ -215,7 +220,7 @@ def run_generation(
 def target_alone_command(args: argparse.Namespace, numeric: str) -> list[str]:
     """`rsd generate --method ar` with the cluster's prompt, sampling, target, dtype, numeric and verifier cores:
     the same generation from the target alone in one process, which is what speculation must beat."""
-    prompt = args.prompt if args.prompt is not None else (TINY_PROMPT if args.tiny else CODE_PROMPT)
+    prompt = demo_prompt(args)
     cmd = [sys.executable, "-m", "rsd_cli", "generate", "--method", "ar", "--prompt", prompt]
     cmd += ["--temperature", str(args.temperature), "--max-new-tokens", str(args.max_new_tokens)]
     cmd += ["--seed", str(args.seed), "--target-dtype", args.dtype, "--target-numeric", numeric]
@@ -256,16 +261,17 @@ def print_stats(gen, wall_s: float) -> float | None:
         print(f"\n[{where}] stream ended without a finish event", file=sys.stderr)
         return None
     steps = max(f.num_steps, 1)
+    rate = f.num_new_tokens / max(wall_s, 1e-9)
     accepted = sum(s.num_accepted_tokens for s in gen.steps)
     drafted = sum(s.num_draft_tokens for s in gen.steps)
     print(
         f"\n[{where}] session {gen.session_id}: {f.num_new_tokens} tokens in {wall_s:.2f} s "
-        f"({f.num_new_tokens / max(wall_s, 1e-9):.2f} tok/s), {f.num_steps} steps, block efficiency "
+        f"({rate:.2f} tok/s), {f.num_steps} steps, block efficiency "
         f"{f.num_new_tokens / steps:.2f}, accepted {accepted}/{drafted} drafts, "
         f"finish {common_pb2.FinishReason.Name(f.reason)}, committed length {f.committed_length_tokens}",
         file=sys.stderr,
     )
-    return f.num_new_tokens / max(wall_s, 1e-9)
+    return rate
 
 
 def _exit_status(code: int) -> str:
