@@ -323,6 +323,8 @@ class DrafterPool:
                     logprobs = None
                     if job.num_top_logprobs is not None:  # check_verdict checked them
                         logprobs = token_logprobs_from_proto(reply.logprobs, len(verdict.token_ids)).head(len(new))
+                    if finish:  # close the verifier's stream before the last tokens leave: the session's
+                        call.cancel()  # next turn may attach at once (VerifierConfig.attach_wait_s)
                     yield StepResult(len(committed), new, stats, finish, logprobs)
                     committed += new
                     if finish:

@@ -30,6 +30,9 @@ class VerifierConfig(ModelServiceConfig):
     max_batch_nodes: int = 512
     # An attached session is not evicted for this long before its first tree (its drafter drafts it).
     attach_grace_s: float = 30.0
+    # An Attach that finds every slot held by a session with an open Verify stream waits this long for
+    # one to close (a finished run's stream closes as its last tokens leave) before RESOURCE_EXHAUSTED.
+    attach_wait_s: float = 2.0
 
     def checks(self) -> dict[str, bool]:
         return {
@@ -39,4 +42,5 @@ class VerifierConfig(ModelServiceConfig):
             "batch_wait_ms": self.batch_wait_ms >= 0,
             "max_batch_nodes": self.max_batch_nodes >= 1,
             "attach_grace_s": self.attach_grace_s > 0,
+            "attach_wait_s": self.attach_wait_s >= 0,
         }

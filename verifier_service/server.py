@@ -116,7 +116,13 @@ async def create_server(
     batcher = Batcher(engine, config.max_batch_nodes, config.batch_wait_ms, config.batching, compute)
     automata = folder_automata(config.tokenizer or config.model)  # structured output, loaded at first use
     servicer = VerifierServicer(
-        engine, batcher, config.verifier_id, config.max_tree_nodes, config.attach_grace_s, automata
+        engine,
+        batcher,
+        config.verifier_id,
+        config.max_tree_nodes,
+        config.attach_grace_s,
+        automata,
+        config.attach_wait_s,
     )
     metrics = VerifierMetrics(servicer, batcher)
     server, port, health_servicer = await start_service(

@@ -79,12 +79,15 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         max_tree_nodes: int,
         attach_grace_s: float,
         automata: AutomatonCache | None = None,
+        attach_wait_s: float = 0.0,
     ):
         self.engine, self.batcher = engine, batcher
         self.automata = automata or folder_automata("")  # structured output's automata (params.constraint)
         batcher.open_sessions = lambda: self.num_open_streams
         self.verifier_id, self.max_tree_nodes = verifier_id, max_tree_nodes
         self.attach_grace_s = attach_grace_s  # VerifierConfig.attach_grace_s
+        self.attach_wait_s = attach_wait_s  # VerifierConfig.attach_wait_s
+        self._stream_closed = asyncio.Event()  # set whenever a session's last Verify stream closes
         self.sessions: dict[str, _Session] = {}
         self._open_streams: dict[str, int] = {}  # session -> Verify streams that sent it a tree
         self._last_used: dict[str, float] = {}  # session -> monotonic time of its last Attach/verdict
@@ -128,6 +131,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         constraint = constraint_from_proto(request.params)  # the automaton may take seconds: off the event loop
         guide = None if constraint is None else await asyncio.to_thread(self.automata.guide, *constraint)
         output_start = output_start_from_proto(request)
+        if sid not in self.sessions and self.engine.num_free_slots == 0:
+            await self._wait_for_idle()
         async with self.batcher.engine_lock:  # the engine is not thread-safe; the batcher's forward holds it
             current = self.sessions.get(sid)
             if current is not None and request.epoch < current.epoch:
@@ -176,8 +181,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def _evict_idle(self, for_session: str) -> None:
         """Free the slot of the least recently used session with no open Verify stream (its drafter
         finished; a later run re-attaches and re-prefills). Caller holds the engine lock."""
-        now = time.monotonic()
-        idle = [s for s in self.sessions if not self._open_streams.get(s) and not self._awaiting_stream(s, now)]
+        idle = self._idle_sessions()
         if not idle:
             slots = self.engine.num_slots
             raise PoolFullError(f"all {slots} KV slots hold active sessions; cannot attach {for_session!r}")
@@ -186,6 +190,22 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         del self.sessions[victim]
         self._last_used.pop(victim, None)
         log.info("evicted idle session %s to attach %s", victim, for_session)
+
+    def _idle_sessions(self) -> list[str]:
+        now = time.monotonic()
+        return [s for s in self.sessions if not self._open_streams.get(s) and not self._awaiting_stream(s, now)]
+
+    async def _wait_for_idle(self) -> None:
+        """Every slot is held by a session with an open stream: wait up to attach_wait_s for one to close.
+        A run that just finished closes its stream as its last tokens leave, so the next turn's Attach
+        can arrive first (seen under load); waiting beats refusing it."""
+        deadline = time.monotonic() + self.attach_wait_s
+        while not self._idle_sessions() and (left := deadline - time.monotonic()) > 0:
+            self._stream_closed.clear()
+            try:
+                await asyncio.wait_for(self._stream_closed.wait(), left)
+            except TimeoutError:
+                return
 
     def _awaiting_stream(self, session_id: str, now: float) -> bool:
         """Attached moments ago, its first tree not sent yet (the drafter drafts it): not idle. Evicting it
@@ -219,6 +239,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 self._open_streams[s] -= 1
                 if not self._open_streams[s]:
                     del self._open_streams[s]
+                    self._stream_closed.set()
 
     async def _verify(self, msg: verifier_pb2.DraftTree) -> verifier_pb2.Verdict:
         sid = msg.session_id

@@ -514,6 +514,24 @@ def test_penalties_through_the_services(models):
 # 7. slots and cancellation
 
 
+def test_an_attach_waits_for_a_finishing_run(models):
+    """One slot, held by a run with its stream open: the next session's Attach waits (attach_wait_s)
+    until that run ends and closes its stream, then takes the slot; nothing is refused."""
+    params = gen_params("sd", "3", 0.0, seed=0)
+
+    async def main():
+        async with services(models, {"num_slots": 1, "attach_wait_s": 60}) as (vhandle, _, stub, _):
+            first = asyncio.ensure_future(run(stub, vhandle, "a", params, new_tokens=40))
+            while "a" not in vhandle.servicer.sessions or not vhandle.servicer.num_open_streams:
+                await asyncio.sleep(0.01)
+            second, _ = await run(stub, vhandle, "b", params, new_tokens=4)
+            (tokens, _), alone = await first, await run(stub, vhandle, "c", params, new_tokens=40)
+            assert tokens == alone[0] and len(second) == 4
+            assert set(vhandle.servicer.sessions) == {"c"}
+
+    asyncio.run(main())
+
+
 def test_idle_sessions_are_evicted_and_runs_cancel(models):
     """One verifier slot: a finished session's cache makes room for a new one, a streaming session's
     does not (the drafter reports UNAVAILABLE: the gateway tries another verifier). Cancel ends a
@@ -521,7 +539,7 @@ def test_idle_sessions_are_evicted_and_runs_cancel(models):
     params = gen_params("sd", "3", 0.0, seed=0)
 
     async def main():
-        async with services(models, {"num_slots": 1}) as (vhandle, _, stub, _):
+        async with services(models, {"num_slots": 1, "attach_wait_s": 0}) as (vhandle, _, stub, _):
             await run(stub, vhandle, "a", params, new_tokens=4)
             assert set(vhandle.servicer.sessions) == {"a"}  # kept for the session's next turn
             fields = dict(
