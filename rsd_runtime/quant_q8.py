@@ -90,9 +90,10 @@ def check_numeric(numeric: str) -> str:
     return numeric.replace("-", "_")
 
 
-# ---- Weights (Q4_K, Q6_K, Q8_0, Q5_0) repacked 8 rows at a time (csrc/quant_gemm_q8.c, "x8"): within each block, every
-# 4 consecutive code bytes of 8 weight rows side by side, the scales unpacked beside them. Only the layout
-# changes (q8_gemm_x8 computes the same bits); unpack_x8 gives the file's bytes back exactly.
+# ---- Weights (Q4_K, Q6_K, Q8_0, Q5_0) repacked 8 rows at a time (csrc/quant_gemm_q8.c, "x8"): within each block,
+# every 4 consecutive code bytes of 8 weight rows side by side, the scales unpacked beside them; pairs of such
+# groups interleaved block by block (_pair_groups). Only the layout changes (q8_gemm_x8 computes the same bits);
+# unpack_x8 gives the file's bytes back exactly.
 X8_BYTES = {12: 1184, 14: 1680, 8: 272, 6: 176}  # bytes a block of 8 rows (Q4_K: 8 x 144 + 32, scales unpacked)
 
 
@@ -136,12 +137,24 @@ def repack_x8(blocks: np.ndarray, qtype: int, k: int) -> np.ndarray:
     else:  # Q6_K: d[8], sc pairs [8][8][2], ql [32][8][4], qh [16][8][4]
         parts = [_across(b[..., 208:210], 2), _across(b[..., 192:208], 2), _across(b[..., 0:128], 4),
                  _across(b[..., 128:192], 4)]  # fmt: skip
-    return np.concatenate([p.reshape(n // 8, nb, -1) for p in parts], axis=-1).reshape(-1)
+    return _pair_groups(np.concatenate([p.reshape(n // 8, nb, -1) for p in parts], axis=-1)).reshape(-1)
+
+
+def _pair_groups(x: np.ndarray, inverse: bool = False) -> np.ndarray:
+    """[G, nb, X8_BYTES] groups of 8 rows <-> pairs of groups interleaved block by block ([G / 2, nb, 2, X8_BYTES],
+    an odd last group after them as it is): the kernel reads 16 rows from one stream (csrc/quant_gemm_q8.c, x16)."""
+    g, nb, nbytes = x.shape
+    pairs, tail = x[: g - g % 2], x[g - g % 2 :]
+    if inverse:
+        pairs = pairs.reshape(g // 2, nb, 2, nbytes).transpose(0, 2, 1, 3)
+    else:
+        pairs = pairs.reshape(g // 2, 2, nb, nbytes).transpose(0, 2, 1, 3)
+    return np.concatenate([pairs.reshape(-1, nb, nbytes), tail])
 
 
 def unpack_x8(packed: np.ndarray, qtype: int, k: int, n: int) -> np.ndarray:
     """repack_x8's inverse: the file's blocks uint8 [N, row_bytes], byte for byte."""
-    x = packed.reshape(n // 8, k // quant.KERNEL_TYPES[qtype][1], X8_BYTES[qtype])
+    x = _pair_groups(packed.reshape(n // 8, k // quant.KERNEL_TYPES[qtype][1], X8_BYTES[qtype]), inverse=True)
     if qtype == 8:
         parts = [_back(x[..., 0:16], 2), _back(x[..., 16:], 4)]
     elif qtype == 6:
@@ -181,6 +194,8 @@ class Q8ActivationLinear(quant.QuantLinear):
         first = parts[0]
         kind = lambda p: (type(p), "blocks_x8" in p._buffers, getattr(p, "qtype", None), p.in_features, p.bias is None)  # noqa: E731
         if any(kind(p) != kind(first) for p in parts) or "blocks_x8" not in first._buffers:
+            return None
+        if any(p.out_features % 16 for p in parts[:-1]):  # an odd group would pair across parts (_pair_groups)
             return None
         fused = cls.__new__(cls)
         torch.nn.Module.__init__(fused)

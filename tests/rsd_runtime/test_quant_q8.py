@@ -89,11 +89,12 @@ def test_a_rows_bits_do_not_depend_on_its_batch(build, type_name, n):
 
 def test_fused_layers_compute_each_column_as_alone(build):
     """The lean decoder's one call for q/k/v or gate/up (Q8ActivationLinear.fuse): each column's bits as in its own
-    layer, the parts still computing from views of the fused blocks; parts of different types are not fused."""
+    layer, the parts still computing from views of the fused blocks; parts of different types are not fused, nor a
+    part with an odd group of 8 rows before another (its group would pair across the parts: quant_q8._pair_groups)."""
     k = k_for("Q4_K")
     parts = [
         quant_q8.Q8ActivationLinear(random_blocks("Q4_K", n, k, seed=i), TYPES["Q4_K"], k, n, torch.randn(n))
-        for i, n in enumerate((16, 8, 24))
+        for i, n in enumerate((16, 32, 24))
     ]
     x = inputs(5, k, 3)
     alone = torch.cat([p(x) for p in parts], dim=-1)
@@ -101,6 +102,7 @@ def test_fused_layers_compute_each_column_as_alone(build):
     assert torch.equal(fused(x), alone) and torch.equal(torch.cat([p(x) for p in parts], dim=-1), alone)
     other = quant_q8.Q8ActivationLinear(random_blocks("Q6_K", 8, k), TYPES["Q6_K"], k, 8, torch.randn(8))
     assert quant_q8.Q8ActivationLinear.fuse([parts[0], other]) is None
+    assert quant_q8.Q8ActivationLinear.fuse([parts[2], parts[0]]) is None
 
 
 @pytest.fixture(scope="module")

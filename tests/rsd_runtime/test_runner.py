@@ -395,9 +395,10 @@ def test_catch_up_computes_logits_for_the_tree_only(model, monkeypatch, takes_lo
     committed = torch.randint(4, vocab, (12,), generator=gen).tolist()
     tokens = torch.tensor([committed[-1], 9, 10, 11])  # the root and a small tree
     parents = torch.tensor([-1, 0, 0, 1])
+    runner = ModelRunner(model, 64)  # before the hook: a model's first runner probes its tree forward
     rows, hook = output_layer_rows(model)
     try:
-        logits = forward_with_catch_up(ModelRunner(model, 64), committed, tokens, parents)  # [4, V]
+        logits = forward_with_catch_up(runner, committed, tokens, parents)  # [4, V]
     finally:
         hook.remove()
     assert logits.shape == (4, vocab) and logits.dtype == torch.float32
