@@ -45,6 +45,7 @@ import torch
 from drafter_service.config import DrafterConfig
 from drafter_service.verifier_client import VerifyStream, check_verdict, verifier_error
 from rsd.acceptance import Verdict
+from rsd.auto import CONTEXT, MODEL, PLAIN, AutoPolicy, chain_tops, plan_method, refuse, root_top
 from rsd.constraint import Constraint
 from rsd.logprobs import TokenLogprobs
 from rsd.methods import Method
@@ -120,6 +121,7 @@ class _Slot:
     cached_ids: list[int] = field(default_factory=list)  # tokens whose K/V the runner holds
     busy: bool = False
     drafting: asyncio.Future | None = None  # the worker thread drafting on the runner, if any
+    auto: AutoPolicy | None = None  # the auto method's costs and acceptance, kept for the session's next turns
 
 
 # A session whose last PREDRAFT_PROBATION_STEPS pre-drafting steps all missed pre-drafts one outcome
@@ -262,7 +264,10 @@ class DrafterPool:
             lookup_n=self.config.lookup_n,
         )
         # A tree from the context alone (rsd.lookup) costs no forward: nothing to draft ahead.
-        ahead = _Ahead(self, slot, drafter, job) if self.config.predraft and not job.method.draft_free else None
+        # auto plans each step from the verdict before it: nothing to draft ahead either.
+        auto = _Auto(slot, job, self.vocab_size) if job.method.name == "auto" else None
+        predraft = self.config.predraft and not job.method.draft_free and auto is None
+        ahead = _Ahead(self, slot, drafter, job) if predraft else None
         shaper = _Shaper(job) if job.shapes else None
         method, next_tree = job.method if shaper is None else shaper.pick(), None
         async with channel(job.verifier_address, self.verifier_security) as verifier_channel:
@@ -279,7 +284,10 @@ class DrafterPool:
                     predrafted = tree is not None
                     if tree is None:
                         rng = StepRandom(job.seed, job.draft_stream, len(committed) - 1)
-                        tree = await self._in_thread(slot, drafter.draft, committed, method, job.sampling, rng)
+                        if auto is not None:
+                            tree = await self._in_thread(slot, auto.draft, drafter, committed, job.sampling, rng)
+                        else:
+                            tree = await self._in_thread(slot, drafter.draft, committed, method, job.sampling, rng)
                     t1 = time.perf_counter()
                     msg = draft_tree_to_proto(
                         tree, session_id=job.session_id, epoch=job.epoch, root_position=len(committed) - 1
@@ -312,6 +320,8 @@ class DrafterPool:
                     )
                     if shaper is not None:
                         shaper.observe(method, stats, None if predrafted else (t1 - t0) * 1000)
+                    if auto is not None:
+                        auto.observe(tree, stats, (t1 - t0) * 1000)
                     method = upcoming
                     if ahead is not None:
                         next_tree = ahead.take(verdict, t2 - t1, stats)
@@ -415,6 +425,31 @@ class _Shaper:
         self.controller.observe(shape, stats.num_accepted_tokens)
         v = stats.verifier
         self.meter.observe(shape, draft_ms, v.forward_ms, stats.round_trip_ms, v.queue_ms, draft_ms is None)
+
+
+class _Auto:
+    """The auto method (rsd.auto): one run's policy. Each step's plan is made in the drafting thread from the
+    committed tokens and the steps before; the verdict then teaches the policy its costs and acceptance."""
+
+    def __init__(self, slot: _Slot, job: RunJob, vocab_size: int):
+        if slot.auto is None or slot.auto.max_depth != job.method.depth:
+            slot.auto = AutoPolicy(job.method.depth)
+        self.policy, self.vocab_size, self.plan, self.caught_up = slot.auto, vocab_size, None, True
+
+    def draft(self, drafter: Drafter, committed: list[int], sampling: SamplingParams, rng: StepRandom) -> DraftTree:
+        self.plan = plan = self.policy.plan(root_top(committed, self.vocab_size))
+        self.caught_up = drafter.runner.cache_len >= len(committed) - 1  # else its forward runs the tokens behind
+        grow = refuse if plan.kind == PLAIN else self.policy.gate() if plan.kind == CONTEXT else None
+        return drafter.draft(committed, plan_method(plan), sampling, rng, None, grow)
+
+    def observe(self, tree: DraftTree, stats: common_pb2.StepStats, draft_ms: float) -> None:
+        """A model step whose forward also ran the tokens the runner was behind (the prompt, or the steps that
+        drafted from the context) says nothing of a level's cost: its draft time is left out."""
+        v = stats.verifier
+        tops, accepted = chain_tops(tree), stats.num_accepted_tokens
+        rows = v.batch_num_nodes  # the forward's rows: other sessions' trees may have shared it
+        draft = draft_ms if self.plan.kind != MODEL or self.caught_up else None
+        self.policy.observe(self.plan, tops, accepted, v.forward_ms, stats.round_trip_ms, draft, rows)
 
 
 class _Ahead:

@@ -29,7 +29,7 @@ function of its upper levels: tests/rsd/test_acceptance.py enumerates exactly th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from enum import StrEnum
 from typing import Protocol
 
@@ -100,12 +100,15 @@ def draft_tree(
     rng: StepRandom,
     device: torch.device | str = "cpu",
     stop_below: float = 0.0,
+    grow: Callable[[Tensor, Tensor], list[bool]] | None = None,
 ) -> DraftTree:
     """A tree with branching[l] children per node at depth l, picked by `mode` (DraftMode).
 
     A node whose law has fewer than K tokens in its support gets only that many children in the
     without-replacement and greedy modes, and a node whose law is a zero row none (rsd.lookup).
     stop_below: a node drawn with probability below it gets no children (the root always does).
+    grow(node_idx [F], laws [F, V]) -> [F] bools: whether each frontier node gets children, asked with their
+    laws before any child is drawn (rsd.auto's gate; a function of the nodes' paths, so every rule stays exact).
     rng: the step's draws (Rule.draft_stream). device: where the tree's tensors live (the proposal's
     laws stay on their own device while drafting).
     """
@@ -124,6 +127,14 @@ def draft_tree(
             if not frontier:
                 break
             probs = probs[proposed]
+        if grow is not None:
+            grows = grow(torch.tensor(frontier, dtype=torch.long), probs)
+            for n in (n for n, ok in zip(frontier, grows, strict=True) if not ok):
+                del tree.probs[n]  # a leaf: its law was never drawn from
+            frontier = [n for n, ok in zip(frontier, grows, strict=True) if ok]
+            if not frontier:
+                break
+            probs = probs[torch.tensor(grows, device=probs.device)]
         node_idx = torch.tensor(frontier, dtype=torch.long, device=probs.device)  # [F]
         if mode is DraftMode.IID:
             values, ids = support(probs)  # [F, S]: draw over the support only (same law)

@@ -9,6 +9,8 @@
     lookup     "L", "K1,K2,"  children drawn from the context's own   rrs
                               n-gram law, no draft model (rsd.lookup): a chain of up to L, or up to
                               K_l children per node; nodes whose context does not repeat stay leaves
+    auto       "L"            each step the chain that pays most: the root alone, a context chain or the
+                              draft model's, up to L deep, from measured costs and acceptance (rsd.auto)
 
 At temperature 0 every method drafts its shape greedily (top-K children; beam search for rsd_s;
 top-K first drafts then greedy chains for spectr) and verifies by greedy matching.
@@ -35,10 +37,18 @@ from rsd.drafting import DraftMode, Proposal, draft_sbs, draft_tree
 from rsd.random import StepRandom
 from rsd.tree import DraftTree
 
-METHOD_NAMES = ("sd", "specinfer", "spectr", "rsd_c", "rsd_s", "lookup")
+METHOD_NAMES = ("sd", "specinfer", "spectr", "rsd_c", "rsd_s", "lookup", "auto")
 DRAFT_FREE = ("lookup",)  # methods that draft from the context alone: no draft model runs
 # The shape each method runs with when none is given (gateway, CLI): chains of 4, trees of 5-12 nodes.
-DEFAULT_SHAPES = {"sd": "4", "specinfer": "2,2,1", "spectr": "3x4", "rsd_c": "2,2,1", "rsd_s": "3x4", "lookup": "6"}
+DEFAULT_SHAPES = {
+    "sd": "4",
+    "specinfer": "2,2,1",
+    "spectr": "3x4",
+    "rsd_c": "2,2,1",
+    "rsd_s": "3x4",
+    "lookup": "6",
+    "auto": "4",
+}
 _RULE = {
     "sd": "rrs",
     "specinfer": "rrs_with_replacement",
@@ -46,9 +56,11 @@ _RULE = {
     "rsd_c": "rrs",
     "rsd_s": "rrs",
     "lookup": "rrs",
+    "auto": "rrs",  # its plans (sd, lookup) share this rule, so the verifier's rule holds whatever the plan
 }
 VERIFICATIONS = ("token", "traversal", "block", "coupled")
-_GUMBEL_TOP_K = ("sd", "rsd_c", "rsd_s", "lookup")  # children from Gumbel keys the verifier can recompute (rsd.coupled)
+# children from Gumbel keys the verifier can recompute (rsd.coupled)
+_GUMBEL_TOP_K = ("sd", "rsd_c", "rsd_s", "lookup", "auto")
 _TRAVERSAL = {  # the variant exact for the method's siblings (tests/rsd/test_traversal.py)
     "sd": "traversal",
     "specinfer": "traversal_with_replacement",
@@ -56,6 +68,7 @@ _TRAVERSAL = {  # the variant exact for the method's siblings (tests/rsd/test_tr
     "rsd_c": "traversal",
     "rsd_s": "traversal",
     "lookup": "traversal",
+    "auto": "traversal",
 }
 _DRAFT_MODE = {  # at T > 0; rsd_s drafts by Stochastic Beam Search instead
     "sd": DraftMode.WITHOUT_REPLACEMENT,
@@ -63,6 +76,7 @@ _DRAFT_MODE = {  # at T > 0; rsd_s drafts by Stochastic Beam Search instead
     "spectr": DraftMode.IID,
     "rsd_c": DraftMode.WITHOUT_REPLACEMENT,
     "lookup": DraftMode.WITHOUT_REPLACEMENT,
+    "auto": DraftMode.WITHOUT_REPLACEMENT,
 }
 
 
@@ -86,6 +100,8 @@ class Method:
             stop_below = float("nan")
         if not 0 <= stop_below < 1:
             raise ValueError(f"confidence stop '@{tau}' must be a probability in [0, 1)")
+        if name == "auto" and at:
+            raise ValueError("auto takes a depth like '4' and no confidence stop: it decides each node's worth itself")
         method = Method._parse_shape(name, shape)
         return dataclasses.replace(method, stop_below=stop_below)
 
@@ -107,9 +123,9 @@ class Method:
             raise ValueError(f"bad shape {shape!r} for {name}: see rsd.methods for the forms") from None
         if any(v < 1 for v in parts):
             raise ValueError(f"shape {shape!r} for {name} must have positive sizes")
-        if name == "sd":
+        if name in ("sd", "auto"):
             if len(parts) != 1:
-                raise ValueError(f"sd takes a depth like '4', got {shape!r}")
+                raise ValueError(f"{name} takes a depth like '4', got {shape!r}")
             return Method(name, (1,) * parts[0])
         if name == "spectr":
             return Method(name, (parts[0],) + (1,) * (parts[1] - 1))
@@ -157,10 +173,17 @@ class Method:
         name = names[verification]
         return RULES[name]
 
-    def draft(self, proposal: Proposal, root_token: int, rng: StepRandom, greedy: bool, device="cpu") -> DraftTree:
-        """The method's tree; rng: the step's draws from the rule's Rule.draft_stream (unused when greedy)."""
+    def draft(
+        self, proposal: Proposal, root_token: int, rng: StepRandom, greedy: bool, device="cpu", grow=None
+    ) -> DraftTree:
+        """The method's tree; rng: the step's draws from the rule's Rule.draft_stream (unused when greedy);
+        grow: rsd.drafting.draft_tree's gate (rsd.auto's context chains)."""
+        if self.name == "auto":
+            raise ValueError("auto drafts each step as its plan's method (rsd.auto.plan_method), not as itself")
         stop = self.stop_below
         if self.name == "rsd_s":
+            if grow is not None:
+                raise ValueError("rsd_s trees take no grow gate")
             return draft_sbs(proposal, root_token, self.beam_width, self.depth, rng, device, greedy, stop)
         mode = DraftMode.GREEDY if greedy else _DRAFT_MODE[self.name]
-        return draft_tree(proposal, root_token, self.branching, mode, rng, device, stop)
+        return draft_tree(proposal, root_token, self.branching, mode, rng, device, stop, grow)

@@ -190,13 +190,14 @@ class Drafter:
         params: SamplingParams,
         rng: StepRandom,
         stop: Callable[[], bool] | None = None,
+        grow: Callable | None = None,
     ) -> DraftTree:
         """The next tree; rng: StepRandom(seed, rule.draft_stream, len(committed) - 1). stop is asked before
-        each forward; when it says True the draft raises DraftStopped. The tree is on the CPU (what the
-        wire sends); the laws are drawn from on the draft model's device."""
+        each forward; when it says True the draft raises DraftStopped. grow: the tree's gate (rsd.auto). The
+        tree is on the CPU (what the wire sends); the laws are drawn from on the draft model's device."""
         if method.draft_free:
             self.proposal = LookupProposal(committed, self.vocab_size)
-            return method.draft(self.proposal, committed[-1], rng, params.greedy, device="cpu")
+            return method.draft(self.proposal, committed[-1], rng, params.greedy, "cpu", grow)
         if self.runner is None:
             raise ValueError(f"method {method.name} needs a draft model")
         self.proposal = ModelProposal(
@@ -207,7 +208,7 @@ class Drafter:
             self.proposal = HybridProposal(
                 self.proposal, committed, self.vocab_size, self.lookup_n, dtype, self.runner.device
             )
-        return method.draft(self.proposal, committed[-1], rng, params.greedy, device="cpu")
+        return method.draft(self.proposal, committed[-1], rng, params.greedy, "cpu", grow)
 
     def accept(self, committed_before: list[int], verdict: Verdict) -> None:
         commit_path(self.runner, committed_before, self.proposal.tentative_of, verdict.accepted_idx)

@@ -343,7 +343,7 @@ def method_shape(method: Method) -> str:
     """The shape string Method.parse reads back into `method`: "4", "2,2,1", "3x4"."""
     if not method.branching:
         raise ValueError(f"{method} has no tree shape")
-    if method.name == "sd" or (method.name == "lookup" and set(method.branching) == {1}):
+    if method.name in ("sd", "auto") or (method.name == "lookup" and set(method.branching) == {1}):
         shape = str(method.depth)
     elif method.name == "lookup":
         shape = ",".join(str(k) for k in method.branching) + ("," if method.depth == 1 else "")

@@ -121,8 +121,8 @@ async def create_server(
         config.verifier_id,
         config.max_tree_nodes,
         config.attach_grace_s,
-        automata,
         config.attach_wait_s,
+        automata,
     )
     metrics = VerifierMetrics(servicer, batcher)
     server, port, health_servicer = await start_service(

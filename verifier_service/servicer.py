@@ -78,8 +78,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         verifier_id: str,
         max_tree_nodes: int,
         attach_grace_s: float,
+        attach_wait_s: float,
         automata: AutomatonCache | None = None,
-        attach_wait_s: float = 0.0,
     ):
         self.engine, self.batcher = engine, batcher
         self.automata = automata or folder_automata("")  # structured output's automata (params.constraint)

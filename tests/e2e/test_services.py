@@ -690,3 +690,32 @@ def test_adaptive_shapes_are_exact_at_t0_and_vary(models):
 
     asyncio.run(main())
     assert len(sizes) > 1  # the shapes did change
+
+
+def test_auto_is_the_targets_output_whatever_plans_it_makes(models):
+    """method auto (rsd.auto): each step's plan (the root alone, a context chain, the model's chain) from the
+    costs and acceptance the drafter measured, on a prompt that repeats. At T = 0 the target's greedy output; at
+    T = 0.8 under the coupled rule the target alone's seeded tokens (its noise is the target's whatever the plan),
+    through the services and in process; under the token rule it runs through. The plans do vary."""
+    prompt = [*PROMPT, *PROMPT[:4]]
+    target_alone = SpeculativeGenerator(ModelRunner(models[1], MAX_LEN))
+    greedy = target_alone.generate(prompt, None, SamplingParams(0), NEW_TOKENS).token_ids
+    coupled = target_alone.generate(prompt, None, SamplingParams(0.8), NEW_TOKENS, seed=7, verification="coupled")
+    auto = Method.parse("auto", "3")
+    assert reference(models, prompt, auto, SamplingParams(0.8), 7, verification="coupled") == coupled.token_ids
+    sizes = set()
+
+    async def main():
+        async with services(models, None, {"lookup_n": 2}) as (vhandle, _, stub, _):
+            tokens, events = await run(stub, vhandle, "auto-greedy", gen_params("auto", "3", 0.0, 1), committed=prompt)
+            assert tokens == greedy
+            sizes.update(e.stats.num_draft_tokens for e in events[:-1])
+            params = gen_params("auto", "3", 0.8, 7, verification="coupled")
+            tokens, events = await run(stub, vhandle, "auto-coupled", params, committed=prompt)
+            assert tokens == coupled.token_ids
+            sizes.update(e.stats.num_draft_tokens for e in events[:-1])
+            tokens, _ = await run(stub, vhandle, "auto-token", gen_params("auto", "3", 0.8, 8), committed=prompt)
+            assert len(tokens) == NEW_TOKENS
+
+    asyncio.run(main())
+    assert len(sizes) > 1  # the plans did change

@@ -180,7 +180,7 @@ def test_methods_pair_each_verification_with_its_exact_variant():
     assert Method.parse("spectr", "3x4").rule(False, "token").name == "kseq"
     expected = {"sd": "traversal", "specinfer": "traversal_with_replacement", "spectr": "traversal_with_replacement"}
     for name in METHOD_NAMES:
-        method = Method.parse(name, {"sd": "4", "spectr": "3x4", "rsd_s": "3x4"}.get(name, "2,2,1"))
+        method = Method.parse(name, {"sd": "4", "auto": "4", "spectr": "3x4", "rsd_s": "3x4"}.get(name, "2,2,1"))
         assert method.rule(False, "traversal").name == expected.get(name, "traversal")
         assert method.rule(True, "traversal").name == "greedy"
     for name, chain in [("sd", "4"), ("rsd_c", "1,1,1"), ("specinfer", "1,1"), ("spectr", "1x3"), ("rsd_s", "1x3")]:
