@@ -45,7 +45,7 @@ import torch
 from drafter_service.config import DrafterConfig
 from drafter_service.verifier_client import VerifyStream, check_verdict, verifier_error
 from rsd.acceptance import Verdict
-from rsd.auto import CONTEXT, MODEL, PLAIN, AutoPolicy, chain_tops, plan_method, refuse, root_top
+from rsd.auto import AutoPolicy
 from rsd.constraint import Constraint
 from rsd.logprobs import TokenLogprobs
 from rsd.methods import Method
@@ -56,7 +56,7 @@ from rsd.tree import DraftTree
 from rsd_runtime.attention import check_model
 from rsd_runtime.compute import ComputeThread
 from rsd_runtime.constraint import folder_automata
-from rsd_runtime.engines import Drafter
+from rsd_runtime.engines import AutoDrafter, Drafter
 from rsd_runtime.generator import Finish, cut_step, finishes
 from rsd_runtime.kvcache import common_prefix_length
 from rsd_runtime.packed import PackedForwards
@@ -265,7 +265,11 @@ class DrafterPool:
         )
         # A tree from the context alone (rsd.lookup) costs no forward: nothing to draft ahead.
         # auto plans each step from the verdict before it: nothing to draft ahead either.
-        auto = _Auto(slot, job, self.vocab_size) if job.method.name == "auto" else None
+        auto = None
+        if job.method.planned:
+            if slot.auto is None or slot.auto.max_depth != job.method.depth:
+                slot.auto = AutoPolicy(job.method.depth)
+            auto = AutoDrafter(drafter, slot.auto)
         predraft = self.config.predraft and not job.method.draft_free and auto is None
         ahead = _Ahead(self, slot, drafter, job) if predraft else None
         shaper = _Shaper(job) if job.shapes else None
@@ -285,7 +289,7 @@ class DrafterPool:
                     if tree is None:
                         rng = StepRandom(job.seed, job.draft_stream, len(committed) - 1)
                         if auto is not None:
-                            tree = await self._in_thread(slot, auto.draft, drafter, committed, job.sampling, rng)
+                            tree = await self._in_thread(slot, auto.draft, committed, job.sampling, rng)
                         else:
                             tree = await self._in_thread(slot, drafter.draft, committed, method, job.sampling, rng)
                     t1 = time.perf_counter()
@@ -320,8 +324,10 @@ class DrafterPool:
                     )
                     if shaper is not None:
                         shaper.observe(method, stats, None if predrafted else (t1 - t0) * 1000)
-                    if auto is not None:
-                        auto.observe(tree, stats, (t1 - t0) * 1000)
+                    if auto is not None:  # the forward's rows: other sessions' trees may have shared it
+                        v = stats.verifier
+                        accepted, rows = stats.num_accepted_tokens, v.batch_num_nodes
+                        auto.observe(tree, accepted, v.forward_ms, stats.round_trip_ms, (t1 - t0) * 1000, rows)
                     method = upcoming
                     if ahead is not None:
                         next_tree = ahead.take(verdict, t2 - t1, stats)
@@ -425,31 +431,6 @@ class _Shaper:
         self.controller.observe(shape, stats.num_accepted_tokens)
         v = stats.verifier
         self.meter.observe(shape, draft_ms, v.forward_ms, stats.round_trip_ms, v.queue_ms, draft_ms is None)
-
-
-class _Auto:
-    """The auto method (rsd.auto): one run's policy. Each step's plan is made in the drafting thread from the
-    committed tokens and the steps before; the verdict then teaches the policy its costs and acceptance."""
-
-    def __init__(self, slot: _Slot, job: RunJob, vocab_size: int):
-        if slot.auto is None or slot.auto.max_depth != job.method.depth:
-            slot.auto = AutoPolicy(job.method.depth)
-        self.policy, self.vocab_size, self.plan, self.caught_up = slot.auto, vocab_size, None, True
-
-    def draft(self, drafter: Drafter, committed: list[int], sampling: SamplingParams, rng: StepRandom) -> DraftTree:
-        self.plan = plan = self.policy.plan(root_top(committed, self.vocab_size))
-        self.caught_up = drafter.runner.cache_len >= len(committed) - 1  # else its forward runs the tokens behind
-        grow = refuse if plan.kind == PLAIN else self.policy.gate() if plan.kind == CONTEXT else None
-        return drafter.draft(committed, plan_method(plan), sampling, rng, None, grow)
-
-    def observe(self, tree: DraftTree, stats: common_pb2.StepStats, draft_ms: float) -> None:
-        """A model step whose forward also ran the tokens the runner was behind (the prompt, or the steps that
-        drafted from the context) says nothing of a level's cost: its draft time is left out."""
-        v = stats.verifier
-        tops, accepted = chain_tops(tree), stats.num_accepted_tokens
-        rows = v.batch_num_nodes  # the forward's rows: other sessions' trees may have shared it
-        draft = draft_ms if self.plan.kind != MODEL or self.caught_up else None
-        self.policy.observe(self.plan, tops, accepted, v.forward_ms, stats.round_trip_ms, draft, rows)
 
 
 class _Ahead:

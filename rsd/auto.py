@@ -160,6 +160,10 @@ class AutoPolicy:
         """A fresh gate for one context chain."""
         return ContextGate(self)
 
+    def grow(self, plan: Plan):
+        """The draft_tree gate that drafts `plan`: the root refused (plain), a fresh context gate, or none (model)."""
+        return refuse if plan.kind == PLAIN else self.gate() if plan.kind == CONTEXT else None
+
     # ---- learning ---------------------------------------------------------------------------------
     def observe(
         self,

@@ -139,6 +139,11 @@ class Method:
         return self.name in DRAFT_FREE
 
     @property
+    def planned(self) -> bool:
+        """Each step drafts as the plan rsd.auto makes for it (auto), not as this method: nothing to draft ahead."""
+        return self.name == "auto"
+
+    @property
     def depth(self) -> int:
         return len(self.branching)
 

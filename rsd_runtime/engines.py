@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from rsd.acceptance import Rule, Verdict, verify
+from rsd.auto import MODEL, AutoPolicy, Plan, chain_tops, plan_method, root_top
 from rsd.constraint import Guide, mask_logits
 from rsd.coupled import coupled_token
 from rsd.lookup import HybridProposal, LookupProposal
@@ -218,6 +219,30 @@ class Drafter:
     def num_forwards(self) -> int:
         """Draft-model forwards of the tree being verified."""
         return self.proposal.num_forwards if self.proposal else 0
+
+
+class AutoDrafter:
+    """The auto method over a Drafter (rsd.auto): draft() plans one step and drafts it, observe() teaches the
+    policy that step's verdict and costs. The drafter service and the in-process generator both drive it."""
+
+    def __init__(self, drafter: Drafter, policy: AutoPolicy):
+        self.drafter, self.policy = drafter, policy
+        self.plan: Plan | None = None
+        self.caught_up = True  # whether the last step's draft ran its levels alone
+
+    def draft(self, committed: list[int], params: SamplingParams, rng: StepRandom) -> DraftTree:
+        self.plan = plan = self.policy.plan(root_top(committed, self.drafter.vocab_size))
+        runner = self.drafter.runner  # behind the committed tokens, a model step's forward runs them too
+        self.caught_up = plan.kind != MODEL or runner.cache_len >= len(committed) - 1
+        return self.drafter.draft(committed, plan_method(plan), params, rng, None, self.policy.grow(plan))
+
+    def observe(
+        self, tree: DraftTree, accepted: int, forward_ms: float, round_trip_ms: float, draft_ms: float, rows: int = 0
+    ) -> None:
+        """A model step whose forward also ran the tokens the runner was behind (the prompt, or steps drafted
+        from the context) says nothing of a level's cost: its draft time is left out (rsd.auto.AutoPolicy.observe)."""
+        draft = draft_ms if self.caught_up else None
+        self.policy.observe(self.plan, chain_tops(tree), accepted, forward_ms, round_trip_ms, draft, rows)
 
 
 class Verifier:

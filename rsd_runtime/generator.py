@@ -20,13 +20,13 @@ from enum import Enum
 from functools import partial
 
 from rsd.acceptance import Rule, Verdict
-from rsd.auto import CONTEXT, MODEL, PLAIN, AutoPolicy, chain_tops, plan_method, refuse, root_top
+from rsd.auto import AutoPolicy
 from rsd.constraint import Guide, TokenAutomaton
 from rsd.methods import Method
 from rsd.random import StepRandom, Stream
 from rsd.sampling import SamplingParams
 from rsd.tree import DraftTree
-from rsd_runtime.engines import Drafter, Verifier
+from rsd_runtime.engines import AutoDrafter, Drafter, Verifier
 from rsd_runtime.runner import ModelRunner
 
 
@@ -156,7 +156,7 @@ class SpeculativeGenerator:
         params = params or SamplingParams()
         if not prompt_ids:
             raise ValueError("the prompt needs at least one token")
-        if method is not None and not method.draft_free and method.name != "auto" and self.drafter.runner is None:
+        if method is not None and not (method.draft_free or method.planned) and self.drafter.runner is None:
             raise ValueError(f"method {method.name} needs a draft model")
         rule = method.rule(params.greedy, verification) if method is not None else None  # ValueError if not exact
         runners = [self.verifier.runner] + ([self.drafter.runner] if self.drafter.runner else [])
@@ -167,8 +167,9 @@ class SpeculativeGenerator:
                 engine.output_start = len(prompt_ids)
         self._next_tree = None
         # auto (rsd.auto): each step's plan from the costs this process measures and the acceptance seen so far
-        auto = method is not None and method.name == "auto"
-        self.auto = AutoPolicy(method.depth, self.drafter.runner is not None) if auto else None
+        self.auto = None
+        if method is not None and method.planned:
+            self.auto = AutoDrafter(self.drafter, AutoPolicy(method.depth, self.drafter.runner is not None))
         self.guide = None if constraint is None else Guide(constraint, len(prompt_ids))
         self.drafter.guide = self.guide
         stats = GenerationStats(method.name if method else "ar", rule.name if rule else "")
@@ -208,15 +209,10 @@ class SpeculativeGenerator:
         root_position = len(committed) - 1
         t = time.perf_counter()
         tree, self._next_tree = self._next_tree, None
-        plan = None
         if tree is None:
             rng = StepRandom(seed, rule.draft_stream, root_position)
             if self.auto is not None:
-                plan = self.auto.plan(root_top(committed, self.verifier.runner.vocab_size))
-                runner = self.drafter.runner  # behind the committed tokens: its forward runs them too (not a level)
-                caught_up = plan.kind != MODEL or runner.cache_len >= len(committed) - 1
-                grow = refuse if plan.kind == PLAIN else self.auto.gate() if plan.kind == CONTEXT else None
-                tree = self.drafter.draft(committed, plan_method(plan), params, rng, None, grow)
+                tree = self.auto.draft(committed, params, rng)
             else:
                 tree = self.drafter.draft(committed, method, params, rng)
         stats.draft_forwards += self.drafter.num_forwards
@@ -231,10 +227,9 @@ class SpeculativeGenerator:
         stats.draft_s += (t_verify - t) + (time.perf_counter() - t_accept)
         stats.verify_s += self.verifier.last_forward_s
         stats.accept_s += t_accept - t_verify - self.verifier.last_forward_s
-        if plan is not None:
-            forward_ms = self.verifier.last_forward_s * 1000
-            draft_ms, verify_ms = (t_verify - t) * 1000 if caught_up else None, (t_accept - t_verify) * 1000
-            self.auto.observe(plan, chain_tops(tree), len(verdict.accepted_ids), forward_ms, verify_ms, draft_ms)
+        if self.auto is not None:  # auto drafts nothing ahead: this step's tree was drafted above
+            forward_ms, verify_ms = self.verifier.last_forward_s * 1000, (t_accept - t_verify) * 1000
+            self.auto.observe(tree, len(verdict.accepted_ids), forward_ms, verify_ms, (t_verify - t) * 1000)
         stats.record(verdict, method.depth)
         return verdict.token_ids
 

@@ -328,7 +328,7 @@ class PipelinedGenerator(SpeculativeGenerator):
     def before_verify(self, step: Step) -> None:
         if step.method.draft_free:  # a tree from the context alone costs nothing to draft when it is due
             return
-        if step.method.name == "auto":  # each step's plan waits for the verdict before it (rsd.auto)
+        if step.method.planned:  # each step's plan waits for the verdict before it (rsd.auto)
             return
         if self._pre is None:
             self._pre = PreDrafter(

@@ -109,6 +109,7 @@ def test_observe_learns_costs_and_acceptance_per_plan():
 def test_auto_parses_as_a_depth_and_drafts_only_through_its_plans():
     method = Method.parse("auto", "3")
     assert method.branching == (1, 1, 1) and method.max_draft_tokens == 3 and method_shape(method) == "3"
+    assert method.planned and not Method.parse("sd", "3").planned
     assert method.rule(False).name == "rrs" and method.rule(True).name == "greedy"
     assert method.rule(False, "coupled").name == "coupled" and method.rule(False, "block").name == "block"
     for bad in ("2,2", "3@0.4", "0"):
