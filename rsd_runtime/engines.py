@@ -228,21 +228,22 @@ class AutoDrafter:
     def __init__(self, drafter: Drafter, policy: AutoPolicy):
         self.drafter, self.policy = drafter, policy
         self.plan: Plan | None = None
-        self.caught_up = True  # whether the last step's draft ran its levels alone
+        self.behind = 0  # the tokens the draft model ran first in the last step (model plans)
 
     def draft(self, committed: list[int], params: SamplingParams, rng: StepRandom) -> DraftTree:
-        self.plan = plan = self.policy.plan(root_top(committed, self.drafter.vocab_size))
         runner = self.drafter.runner  # behind the committed tokens, a model step's forward runs them too
-        self.caught_up = plan.kind != MODEL or runner.cache_len >= len(committed) - 1
-        return self.drafter.draft(committed, plan_method(plan), params, rng, None, self.policy.grow(plan))
+        behind = 0 if runner is None else max(0, len(committed) - 1 - runner.cache_len)
+        self.plan = plan = self.policy.plan(root_top(committed, self.drafter.vocab_size), behind)
+        self.behind = behind if plan.kind == MODEL else 0
+        return self.drafter.draft(committed, plan_method(plan), params, rng, None, self.policy.grow(plan, behind))
 
     def observe(
         self, tree: DraftTree, accepted: int, forward_ms: float, round_trip_ms: float, draft_ms: float, rows: int = 0
     ) -> None:
         """A model step whose forward also ran the tokens the runner was behind (the prompt, or steps drafted
-        from the context) says nothing of a level's cost: its draft time is left out (rsd.auto.AutoPolicy.observe)."""
-        draft = draft_ms if self.caught_up else None
-        self.policy.observe(self.plan, chain_tops(tree), accepted, forward_ms, round_trip_ms, draft, rows)
+        from the context) teaches the catch-up cost, not a level's (rsd.auto.AutoPolicy.observe)."""
+        tops = chain_tops(tree)
+        self.policy.observe(self.plan, tops, accepted, forward_ms, round_trip_ms, draft_ms, rows, self.behind)
 
 
 class Verifier:

@@ -11,6 +11,7 @@ import torch
 
 from rsd.acceptance import RULES, step_law, verify
 from rsd.auto import (
+    CATCH_UP_TOKENS,
     CONTEXT,
     MODEL,
     PLAIN,
@@ -84,12 +85,44 @@ def test_the_gate_grows_a_chain_while_each_node_pays_for_its_row():
     # rows 1..3 cost 50, 51, 52 ms and 4 rows 200: the 1st and 2nd nodes pay (a = 0.9), the 3rd does not
     policy = _policy({1: 50, 2: 51, 3: 52, 4: 200}, overhead=0.0)
     policy.context_counts[top_bucket(1.0)] = [9.0, 1.0]
-    gate, point = policy.gate(), torch.tensor([[0.0, 1.0, 0.0, 0.0]])
+    gate, point = policy.gate(Plan(CONTEXT, 4)), torch.tensor([[0.0, 1.0, 0.0, 0.0]])
     assert [gate(torch.tensor([n]), point) for n in range(4)] == [[True], [True], [False], [False]]
     # a law the context rarely gets right is not worth a row, even a cheap one
     policy.context_counts[top_bucket(0.5)] = [1.0, 99.0]
-    gate = policy.gate()
+    gate = policy.gate(Plan(CONTEXT, 4))
     assert gate(torch.tensor([0]), torch.tensor([[0.5, 0.5, 0.0, 0.0]])) == [False]
+    with pytest.raises(ValueError, match="chain gate"):
+        policy.gate(Plan(PLAIN))
+
+
+def test_the_model_gate_cuts_a_chain_where_the_draft_is_unsure():
+    # verify rows 50, 52, 54, 56, 58 ms and a 10 ms draft forward: a node pays where its child is accepted often,
+    # and the draft model's confidence (its law's top) says how often
+    policy = _policy({1: 50, 2: 52, 3: 54, 4: 56, 5: 58}, overhead=0.0, draft_level=10)
+    policy.model_counts = [6.0, 4.0]  # pooled: 0.6 a level
+    policy.model_top_counts[top_bucket(0.9)] = [95.0, 5.0]
+    policy.model_top_counts[top_bucket(0.3)] = [5.0, 95.0]
+    assert policy.model_acceptance(0.9) == pytest.approx((95 + 1.2) / 102)
+    assert policy.model_acceptance(0.6) == pytest.approx(0.6)  # an untried bucket: the pooled acceptance
+    sure, unsure = torch.tensor([[0.9, 0.1, 0.0, 0.0]]), torch.tensor([[0.3, 0.3, 0.2, 0.2]])
+    gate = policy.gate(Plan(MODEL, 4))
+    assert [gate(torch.tensor([n]), law) for n, law in enumerate([sure, sure, unsure])] == [[True], [True], [False]]
+    assert policy.gate(Plan(MODEL, 4))(torch.tensor([0]), unsure) == [False]  # the root alone, drafted once
+    # the last level's child needs no forward: a node that would not pay with it does without it
+    policy = _policy({1: 50, 2: 52}, overhead=0.0, draft_level=100)
+    policy.model_top_counts[top_bucket(0.9)] = [60.0, 40.0]
+    assert policy.gate(Plan(MODEL, 1))(torch.tensor([0]), sure) == [True]
+    assert policy.gate(Plan(MODEL, 2))(torch.tensor([0]), sure) == [False]
+
+
+def test_a_switch_to_the_model_pays_for_its_catch_up():
+    policy = _policy({1: 50, 2: 52, 3: 54}, draft_level=6, depth=2)
+    policy.model_counts = [6.0, 4.0]
+    assert policy.plan(root_top=None) == Plan(MODEL, 2)
+    policy.catch_up_ms = 5.0
+    assert policy.switch_ms(3) == 15.0 and policy.switch_ms(100) == 5.0 * CATCH_UP_TOKENS
+    assert policy.plan(root_top=None, behind=0) == Plan(MODEL, 2)
+    assert policy.plan(root_top=None, behind=8) == Plan(PLAIN)  # 40 ms to catch up: more than a chain saves
 
 
 def test_observe_learns_costs_and_acceptance_per_plan():
@@ -100,6 +133,13 @@ def test_observe_learns_costs_and_acceptance_per_plan():
     assert policy.verify.means == {4: 60} and policy.overhead_ms == 4 and policy.look_up_ms == 1
     policy.observe(Plan(MODEL, 2), [0.9, 0.7], accepted=2, forward_ms=55, round_trip_ms=58, draft_ms=40)
     assert policy.model_counts == [3.0, 1.0] and policy.draft_level_ms == 20  # both levels accepted: no failure
+    assert policy.model_top_counts[top_bucket(0.9)] == [1.0, 0.0] and policy.model_top_counts[top_bucket(0.7)] == [1, 0]
+    # a chain the gate cut after one node drafted two laws (the root's, the node's): 2 forwards
+    policy.observe(Plan(MODEL, 4), [0.9], accepted=0, forward_ms=52, round_trip_ms=54, draft_ms=40)
+    assert policy.draft_level_ms == pytest.approx(20) and policy.model_top_counts[top_bucket(0.9)] == [1.0, 1.0]
+    # 2 tokens behind: what the forwards cost beyond a level each is the catch-up, per token
+    policy.observe(Plan(MODEL, 2), [0.9, 0.9], accepted=1, forward_ms=55, round_trip_ms=58, draft_ms=50, behind=2)
+    assert policy.draft_level_ms == pytest.approx(20) and policy.catch_up_ms == pytest.approx(5)
     policy.observe(Plan(PLAIN), [], accepted=0, forward_ms=50, round_trip_ms=52, draft_ms=0.5, rows=6)
     assert policy.verify.means[6] == 50  # another session's tree shared the forward: 3 rows
     with pytest.raises(ValueError, match="outside"):
@@ -132,20 +172,21 @@ def test_root_top_is_the_context_laws_top_or_none():
 
 
 def _gated_policy(grows: set[int]) -> AutoPolicy:
-    """A policy whose gate grows a node whose law's top falls in a bucket of `grows` and stops elsewhere: the
-    chain's cut then depends on the drawn path (through its laws), which is what the enumeration must prove
-    harmless."""
-    policy = _policy({1: 10, 2: 11, 3: 12, 4: 13}, overhead=0.0, depth=3)
+    """A policy whose gates (context and model) grow a node whose law's top falls in a bucket of `grows` and
+    stop elsewhere: the chain's cut then depends on the drawn path (through its laws), which is what the
+    enumeration must prove harmless."""
+    policy = _policy({1: 10, 2: 11, 3: 12, 4: 13}, overhead=0.0, draft_level=0.5, depth=3)
     for b in range(len(policy.context_counts)):
         policy.context_counts[b] = [9.0, 1.0] if b in grows else [1.0, 99.0]
+        policy.model_top_counts[b] = [900.0, 100.0] if b in grows else [1.0, 999.0]
     return policy
 
 
-def _gated_law(trees: list[tuple[DraftTree, float]], policy: AutoPolicy) -> list[tuple[DraftTree, float]]:
+def _gated_law(trees: list[tuple[DraftTree, float]], policy: AutoPolicy, kind=CONTEXT) -> list[tuple[DraftTree, float]]:
     """Each untruncated chain cut where a fresh gate, asked node by node with its law, stops it."""
     out = []
     for tree, prob in trees:
-        gate, n = policy.gate(), 0
+        gate, n = policy.gate(Plan(kind, policy.max_depth)), 0
         while n < tree.num_nodes - 1 and gate(torch.tensor([n]), tree.draft_probs[n : n + 1])[0]:
             n += 1
         draft = tree.draft_probs[: n + 1].clone()
@@ -165,9 +206,10 @@ def _laws():
 @pytest.mark.parametrize("rule", ["rrs", "traversal", "block"])
 @pytest.mark.parametrize("draft", ["spread", "other"])
 @pytest.mark.parametrize("target_seed", [1, 2])
-def test_a_gated_chain_is_exact_for_every_rule(rule, draft, target_seed):
+@pytest.mark.parametrize("kind", [CONTEXT, MODEL])
+def test_a_gated_chain_is_exact_for_every_rule(rule, draft, target_seed, kind):
     table, grows = _laws()[draft]
-    trees = _gated_law(toy.branching_tree_law(table, V, [1, 1, 1], WOR), _gated_policy(grows))
+    trees = _gated_law(toy.branching_tree_law(table, V, [1, 1, 1], WOR), _gated_policy(grows), kind)
     assert len({t.num_nodes for t, _ in trees}) > 1  # the gate does cut some chains and not others
     target = toy.random_table(target_seed, V, zeros=(2,) if target_seed == 2 else ())
     law = toy.speculative_law(trees, target, RULES[rule], 4)
@@ -190,7 +232,7 @@ def test_draft_tree_with_the_gate_follows_the_enumerated_law():
         law[key] = law.get(key, 0.0) + p
     counts: dict[tuple, int] = {}
     for i in range(n):
-        rng, gate = StepRandom(7, Stream.DRAFT, i), _gated_policy(grows).gate()
+        rng, gate = StepRandom(7, Stream.DRAFT, i), _gated_policy(grows).gate(Plan(CONTEXT, 3))
         tree = draft_tree(toy.TableProposal(draft), 0, [1, 1, 1], WOR, rng, grow=gate)
         leaf = tree.num_nodes - 1
         assert bool((tree.draft_probs[leaf] == 0).all())  # a refused node carries no law
