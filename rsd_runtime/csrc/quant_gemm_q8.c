@@ -495,42 +495,38 @@ static inline __m256i scaled(__m256i sum, __m256i pairs, int second) {
 }
 #endif
 
-static inline __attribute__((always_inline)) void
-x8_q4_k_block(const uint8_t* g, const int8_t* const* a, const float* da, const int16_t* const* sums, __m256* acc, const int nr) {
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)g));
-    const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(g + 16)));
-    const uint8_t* qs = g + 160;
-    const __m256i low = _mm256_set1_epi8(15);
-    __m256i S[XB];
-    for (int r = 0; r < nr; r++) S[r] = _mm256_setzero_si256();
-    for (int c = 0; c < 4; c++) {
-        __m256i lo[XB], hi[XB];
-        for (int r = 0; r < nr; r++) lo[r] = hi[r] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-        for (int t = 0; t < 8; t++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * (8 * c + t)));
-            const __m256i vl = _mm256_and_si256(v, low), vh = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-            for (int r = 0; r < nr; r++) { /* each pair <= 2 * 15 * 127: 8 of them fit int16 */
-                lo[r] = chunk_dot(lo[r], vl, bcast4(a[r] + 64 * c + 4 * t));
-                hi[r] = chunk_dot(hi[r], vh, bcast4(a[r] + 64 * c + 32 + 4 * t));
-            }
-        }
-        const __m256i sc = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(g + 32 + 16 * c)));
-        for (int r = 0; r < nr; r++)
-            S[r] = _mm256_add_epi32(S[r], _mm256_add_epi32(scaled(lo[r], sc, 0), scaled(hi[r], sc, 1)));
-    }
-    for (int r = 0; r < nr; r++) {
-        __m256i M = _mm256_setzero_si256();
-        for (int u = 0; u < 4; u++) {
-            const int16_t* s = sums[r] + 4 * u; /* sub-block j's sum: the 16-sums 2j and 2j + 1 */
-            const __m256i m = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(g + 96 + 16 * u)));
-            M = _mm256_add_epi32(M, _mm256_madd_epi16(m, pair16((int16_t)(s[0] + s[1]), (int16_t)(s[2] + s[3]))));
-        }
-        const __m256 d = _mm256_set1_ps(da[r]);
-        __m256 v = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_mul_ps(dw, d), _mm256_cvtepi32_ps(S[r])));
-        acc[r] = _mm256_sub_ps(v, _mm256_mul_ps(_mm256_mul_ps(dm, d), _mm256_cvtepi32_ps(M)));
-    }
-}
+/* The vector operations the K-quant bodies (quant_gemm_q8_x8.h) are written in, at two widths: v8_ on one group's
+   8 rows in 256-bit vectors, v16_ on a pair of groups' 16 rows in 512-bit ones (AVX512-VNNI only). Loads take the
+   pair's `stride` (v8_ ignores it); a "half" load reads 16 bytes of each group. */
+#define AI static inline __attribute__((always_inline))
+#define VOPS(W, P, SI) /* the operations both widths spell alike (P: the intrinsics' prefix, SI: their int type) */   \
+    typedef __m##P##i W##i;                                                                                       \
+    typedef __m##P W##f;                                                                                          \
+    AI W##i W##zero(void) { return _mm##P##_setzero_##SI(); }                                                     \
+    AI W##i W##set1_8(char c) { return _mm##P##_set1_epi8(c); }                                                   \
+    AI W##i W##and(W##i a, W##i b) { return _mm##P##_and_##SI(a, b); }                                            \
+    AI W##i W##or(W##i a, W##i b) { return _mm##P##_or_##SI(a, b); }                                              \
+    AI W##i W##srli16(W##i a, int n) { return _mm##P##_srli_epi16(a, n); }                                        \
+    AI W##i W##slli16(W##i a, int n) { return _mm##P##_slli_epi16(a, n); }                                        \
+    AI W##i W##slli32(W##i a, int n) { return _mm##P##_slli_epi32(a, n); }                                        \
+    AI W##i W##add32(W##i a, W##i b) { return _mm##P##_add_epi32(a, b); }                                         \
+    AI W##i W##sub32(W##i a, W##i b) { return _mm##P##_sub_epi32(a, b); }                                         \
+    AI W##i W##madd16(W##i a, W##i b) { return _mm##P##_madd_epi16(a, b); }                                       \
+    AI W##f W##zerof(void) { return _mm##P##_setzero_ps(); }                                                      \
+    AI W##f W##set1f(float x) { return _mm##P##_set1_ps(x); }                                                     \
+    AI W##f W##addf(W##f a, W##f b) { return _mm##P##_add_ps(a, b); }                                             \
+    AI W##f W##subf(W##f a, W##f b) { return _mm##P##_sub_ps(a, b); }                                             \
+    AI W##f W##mulf(W##f a, W##f b) { return _mm##P##_mul_ps(a, b); }                                             \
+    AI W##f W##cvtf(W##i a) { return _mm##P##_cvtepi32_ps(a); }                                                   \
+    AI void W##storef(float* p, W##f a) { _mm##P##_storeu_ps(p, a); }
+VOPS(v8_, 256, si256)
+AI v8_i v8_load(const uint8_t* p, int64_t stride) { (void)stride; return _mm256_loadu_si256((const __m256i*)p); }
+AI v8_f v8_half_ph(const uint8_t* p, int64_t stride) { (void)stride; return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+AI v8_i v8_half_u8(const uint8_t* p, int64_t stride) { (void)stride; return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p)); }
+AI v8_i v8_half_i8(const uint8_t* p, int64_t stride) { (void)stride; return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p)); }
+AI v8_i v8_pair(int16_t lo, int16_t hi) { return pair16(lo, hi); }
+AI v8_i v8_dot(v8_i acc, v8_i codes, const int8_t* a) { return chunk_dot(acc, codes, bcast4(a)); }
+AI v8_i v8_scaled(v8_i sum, v8_i pairs, int second) { return scaled(sum, pairs, second); }
 
 #if defined(Q8_VNNI)
 /* Two x8 groups at once in 512-bit vectors ("x16"): the low half holds group j / 8, the high half group j / 8 + 1
@@ -551,42 +547,14 @@ static inline __m512i scaled_z(__m512i sum, __m512i pairs, int second) {
     return _mm512_mullo_epi32(sum, second ? _mm512_srai_epi32(pairs, 16) : _mm512_srai_epi32(_mm512_slli_epi32(pairs, 16), 16));
 }
 
-static inline __attribute__((always_inline)) void x16_q4_k_block(const uint8_t* g, int64_t stride, const int8_t* const* a,
-                                                                 const float* da, const int16_t* const* sums, __m512* acc, const int nr) {
-    const __m512 dw = _mm512_cvtph_ps(load2h(g, stride)), dm = _mm512_cvtph_ps(load2h(g + 16, stride));
-    const uint8_t* qs = g + 160;
-    const __m512i low = _mm512_set1_epi8(15);
-    __m512i S[XB];
-    for (int r = 0; r < nr; r++) S[r] = _mm512_setzero_si512();
-    for (int c = 0; c < 4; c++) {
-        __m512i lo[XB], hi[XB];
-        for (int r = 0; r < nr; r++) lo[r] = hi[r] = _mm512_setzero_si512();
-#pragma GCC unroll 8
-        for (int t = 0; t < 8; t++) {
-            const __m512i v = load2(qs + 32 * (8 * c + t), stride);
-            const __m512i vl = _mm512_and_si512(v, low), vh = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-            for (int r = 0; r < nr; r++) {
-                lo[r] = _mm512_dpbusd_epi32(lo[r], vl, bcast4z(a[r] + 64 * c + 4 * t));
-                hi[r] = _mm512_dpbusd_epi32(hi[r], vh, bcast4z(a[r] + 64 * c + 32 + 4 * t));
-            }
-        }
-        const __m512i sc = _mm512_cvtepu8_epi16(load2h(g + 32 + 16 * c, stride));
-        for (int r = 0; r < nr; r++)
-            S[r] = _mm512_add_epi32(S[r], _mm512_add_epi32(scaled_z(lo[r], sc, 0), scaled_z(hi[r], sc, 1)));
-    }
-    for (int r = 0; r < nr; r++) {
-        __m512i M = _mm512_setzero_si512();
-        for (int u = 0; u < 4; u++) {
-            const int16_t* s = sums[r] + 4 * u;
-            const __m512i m = _mm512_cvtepu8_epi16(load2h(g + 96 + 16 * u, stride));
-            const int32_t pair = (int32_t)(uint16_t)(int16_t)(s[0] + s[1]) | (int32_t)(int16_t)(s[2] + s[3]) << 16;
-            M = _mm512_add_epi32(M, _mm512_madd_epi16(m, _mm512_set1_epi32(pair)));
-        }
-        const __m512 d = _mm512_set1_ps(da[r]);
-        __m512 v = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(dw, d), _mm512_cvtepi32_ps(S[r])));
-        acc[r] = _mm512_sub_ps(v, _mm512_mul_ps(_mm512_mul_ps(dm, d), _mm512_cvtepi32_ps(M)));
-    }
-}
+VOPS(v16_, 512, si512)
+AI v16_i v16_load(const uint8_t* p, int64_t stride) { return load2(p, stride); }
+AI v16_f v16_half_ph(const uint8_t* p, int64_t stride) { return _mm512_cvtph_ps(load2h(p, stride)); }
+AI v16_i v16_half_u8(const uint8_t* p, int64_t stride) { return _mm512_cvtepu8_epi16(load2h(p, stride)); }
+AI v16_i v16_half_i8(const uint8_t* p, int64_t stride) { return _mm512_cvtepi8_epi16(load2h(p, stride)); }
+AI v16_i v16_pair(int16_t lo, int16_t hi) { return _mm512_set1_epi32((int32_t)(uint16_t)lo | (int32_t)hi << 16); }
+AI v16_i v16_dot(v16_i acc, v16_i codes, const int8_t* a) { return _mm512_dpbusd_epi32(acc, codes, bcast4z(a)); }
+AI v16_i v16_scaled(v16_i sum, v16_i pairs, int second) { return scaled_z(sum, pairs, second); }
 #endif
 
 /* Q6_K chunks summed before their sub-block's scale: int16 holds 2 (pairs <= 2 * 63 * 127), int32 a whole
@@ -598,98 +566,8 @@ static inline __attribute__((always_inline)) void x16_q4_k_block(const uint8_t* 
 #endif
 
 static inline __attribute__((always_inline)) void
-x8_q6_k_block(const uint8_t* g, const int8_t* const* a, const float* da, const int16_t* const* sums, __m256* acc, const int nr) {
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)g));
-    const uint8_t *ql = g + 144, *qhb = g + 144 + 1024;
-    const __m256i low4 = _mm256_set1_epi8(15), low2 = _mm256_set1_epi8(3);
-    __m256i S[XB];
-    for (int r = 0; r < nr; r++) S[r] = _mm256_setzero_si256();
-    for (int h = 0; h < 2; h++)
-        for (int q = 0; q < 2; q++)
-#pragma GCC unroll 4
-            for (int t = 0; t < 8; t += Q6_RUN) {
-                __m256i lo[XB], hi[XB];
-                for (int r = 0; r < nr; r++) lo[r] = hi[r] = _mm256_setzero_si256();
-#pragma GCC unroll 4
-                for (int tt = t; tt < t + Q6_RUN; tt++) { /* int16: two pairs <= 2 * 63 * 127 each fit */
-                    const __m256i v = _mm256_loadu_si256((const __m256i*)(ql + 32 * (16 * h + 8 * q + tt)));
-                    const __m256i qh = _mm256_loadu_si256((const __m256i*)(qhb + 32 * (8 * h + tt)));
-                    const __m256i vl = _mm256_or_si256(_mm256_and_si256(v, low4),
-                                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * q), low2), 4));
-                    const __m256i vh = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4),
-                                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * q + 4), low2), 4));
-                    for (int r = 0; r < nr; r++) {
-                        lo[r] = chunk_dot(lo[r], vl, bcast4(a[r] + 128 * h + 32 * q + 4 * tt));
-                        hi[r] = chunk_dot(hi[r], vh, bcast4(a[r] + 128 * h + 64 + 32 * q + 4 * tt));
-                    }
-                }
-                const int s = 8 * h + 2 * q + (t >= 4); /* the low nibbles' sub-block; the high ones' is s + 4 */
-                const __m256i pl = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(g + 16 + 16 * (s / 2))));
-                const __m256i ph = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(g + 16 + 16 * (s / 2 + 2))));
-                for (int r = 0; r < nr; r++)
-                    S[r] = _mm256_add_epi32(S[r], _mm256_add_epi32(scaled(lo[r], pl, s % 2), scaled(hi[r], ph, s % 2)));
-            }
-    for (int r = 0; r < nr; r++) {
-        __m256i C = _mm256_setzero_si256();
-        for (int u = 0; u < 8; u++) {
-            const __m256i p = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(g + 16 + 16 * u)));
-            C = _mm256_add_epi32(C, _mm256_madd_epi16(p, pair16(sums[r][2 * u], sums[r][2 * u + 1])));
-        }
-        const __m256i Sq = _mm256_sub_epi32(S[r], _mm256_slli_epi32(C, 5)); /* codes q6 - 32 */
-        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_mul_ps(dw, _mm256_set1_ps(da[r])), _mm256_cvtepi32_ps(Sq)));
-    }
-}
-
-
-#if defined(Q8_VNNI)
-static inline __attribute__((always_inline)) void x16_q6_k_block(const uint8_t* g, int64_t stride, const int8_t* const* a,
-                                                                 const float* da, const int16_t* const* sums, __m512* acc, const int nr) {
-    const __m512 dw = _mm512_cvtph_ps(load2h(g, stride));
-    const uint8_t *ql = g + 144, *qhb = g + 144 + 1024;
-    const __m512i low4 = _mm512_set1_epi8(15), low2 = _mm512_set1_epi8(3);
-    __m512i S[XB];
-    for (int r = 0; r < nr; r++) S[r] = _mm512_setzero_si512();
-    for (int h = 0; h < 2; h++)
-        for (int q = 0; q < 2; q++)
-#pragma GCC unroll 4
-            for (int t = 0; t < 8; t += Q6_RUN) {
-                __m512i lo[XB], hi[XB];
-                for (int r = 0; r < nr; r++) lo[r] = hi[r] = _mm512_setzero_si512();
-#pragma GCC unroll 4
-                for (int tt = t; tt < t + Q6_RUN; tt++) {
-                    const __m512i v = load2(ql + 32 * (16 * h + 8 * q + tt), stride);
-                    const __m512i qh = load2(qhb + 32 * (8 * h + tt), stride);
-                    const __m512i vl = _mm512_or_si512(_mm512_and_si512(v, low4),
-                                                       _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 2 * q), low2), 4));
-                    const __m512i vh = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4),
-                                                       _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 2 * q + 4), low2), 4));
-                    for (int r = 0; r < nr; r++) {
-                        lo[r] = _mm512_dpbusd_epi32(lo[r], vl, bcast4z(a[r] + 128 * h + 32 * q + 4 * tt));
-                        hi[r] = _mm512_dpbusd_epi32(hi[r], vh, bcast4z(a[r] + 128 * h + 64 + 32 * q + 4 * tt));
-                    }
-                }
-                const int s = 8 * h + 2 * q + (t >= 4);
-                const __m512i pl = _mm512_cvtepi8_epi16(load2h(g + 16 + 16 * (s / 2), stride));
-                const __m512i ph = _mm512_cvtepi8_epi16(load2h(g + 16 + 16 * (s / 2 + 2), stride));
-                for (int r = 0; r < nr; r++)
-                    S[r] = _mm512_add_epi32(S[r], _mm512_add_epi32(scaled_z(lo[r], pl, s % 2), scaled_z(hi[r], ph, s % 2)));
-            }
-    for (int r = 0; r < nr; r++) {
-        __m512i C = _mm512_setzero_si512();
-        for (int u = 0; u < 8; u++) {
-            const __m512i p = _mm512_cvtepi8_epi16(load2h(g + 16 + 16 * u, stride));
-            const int32_t pair = (int32_t)(uint16_t)sums[r][2 * u] | (int32_t)sums[r][2 * u + 1] << 16;
-            C = _mm512_add_epi32(C, _mm512_madd_epi16(p, _mm512_set1_epi32(pair)));
-        }
-        const __m512i Sq = _mm512_sub_epi32(S[r], _mm512_slli_epi32(C, 5));
-        acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(dw, _mm512_set1_ps(da[r])), _mm512_cvtepi32_ps(Sq)));
-    }
-}
-#endif
-
-static inline __attribute__((always_inline)) void
-x8_q8_0_block(const uint8_t* g, const int8_t* const* a, const float* da, const int16_t* const* sums, __m256* acc, const int nr) {
-    (void)sums;
+x8_q8_0_block(const uint8_t* g, int64_t stride, const int8_t* const* a, const float* da, const int16_t* const* sums, __m256* acc, const int nr) {
+    (void)stride, (void)sums;
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)g));
     __m256i S[XB];
     for (int r = 0; r < nr; r++) S[r] = _mm256_setzero_si256();
@@ -713,7 +591,8 @@ static inline __m256i q5_high(__m256i qh, int byte, int shift) {
 }
 
 static inline __attribute__((always_inline)) void
-x8_q5_0_block(const uint8_t* g, const int8_t* const* a, const float* da, const int16_t* const* sums, __m256* acc, const int nr) {
+x8_q5_0_block(const uint8_t* g, int64_t stride, const int8_t* const* a, const float* da, const int16_t* const* sums, __m256* acc, const int nr) {
+    (void)stride;
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)g));
     const __m256i qh = _mm256_loadu_si256((const __m256i*)(g + 144)), low = _mm256_set1_epi8(15);
     __m256i lo[XB], hi[XB];
@@ -734,91 +613,15 @@ x8_q5_0_block(const uint8_t* g, const int8_t* const* a, const float* da, const i
     }
 }
 
-#define X8_COLS(T, BYTES, B, SB, RB)                                                                                        \
-    static inline __attribute__((always_inline)) void x8_##T##_rows(const int8_t* xq, const float* xd,           \
-        const int16_t* xs, const uint8_t* w, float* y, int64_t r0, int nr, int64_t K, int64_t N, int64_t j) {    \
-        const int64_t nb = K / B, G = j / 8, step = (G | 1) < N / 8 ? 2 * BYTES : BYTES; /* paired: interleaved */ \
-        const uint8_t* g = w + (G / 2) * 2 * nb * BYTES + (G % 2) * BYTES;                                     \
-        __m256 acc[XB];                                                                                         \
-        for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();                                              \
-        for (int64_t b = 0; b < nb; b++) {                                                                      \
-            const int8_t* a[XB];                                                                                \
-            const int16_t* s[XB];                                                                               \
-            float d[XB];                                                                                        \
-            for (int r = 0; r < nr; r++) {                                                                      \
-                a[r] = xq + (r0 + r) * K + b * B;                                                               \
-                s[r] = xs + ((r0 + r) * nb + b) * SB;                                                           \
-                d[r] = xd[(r0 + r) * nb + b];                                                                   \
-            }                                                                                                   \
-            if (r0 == 0) /* the stream X8_PREFETCH bytes ahead (alone, the hardware prefetcher falls 3x behind) */    \
-                for (int l = 0; l < BYTES; l += 64) _mm_prefetch((const char*)g + b * step + X8_PREFETCH + l, _MM_HINT_T1); \
-            x8_##T##_block(g + b * step, a, d, s, acc, nr);                                                     \
-        }                                                                                                       \
-        for (int r = 0; r < nr; r++) _mm256_storeu_ps(y + (r0 + r) * N + j, acc[r]);                            \
-    }                                                                                                           \
-    static void x8_cols_##T(const int8_t* xq, const float* xd, const int16_t* xs, const uint8_t* w, float* y,   \
-                            int64_t R, int64_t K, int64_t N, int64_t n0, int64_t n1) {                          \
-        for (int64_t j = n0; j < n1; j += 8) {                                                                  \
-            int64_t r = 0;                                                                                      \
-            for (; r + RB <= R; r += RB) x8_##T##_rows(xq, xd, xs, w, y, r, RB, K, N, j);                       \
-            switch (R - r) { /* each count its own specialisation: accumulators in registers */                 \
-                case 7: if (RB > 7) x8_##T##_rows(xq, xd, xs, w, y, r, 7, K, N, j); break;                      \
-                case 6: if (RB > 6) x8_##T##_rows(xq, xd, xs, w, y, r, 6, K, N, j); break;                      \
-                case 5: if (RB > 5) x8_##T##_rows(xq, xd, xs, w, y, r, 5, K, N, j); break;                      \
-                case 4: if (RB > 4) x8_##T##_rows(xq, xd, xs, w, y, r, 4, K, N, j); break;                      \
-                case 3: x8_##T##_rows(xq, xd, xs, w, y, r, 3, K, N, j); break;                                  \
-                case 2: x8_##T##_rows(xq, xd, xs, w, y, r, 2, K, N, j); break;                                  \
-                case 1: x8_##T##_rows(xq, xd, xs, w, y, r, 1, K, N, j); break;                                  \
-            }                                                                                                   \
-        }                                                                                                       \
-    }
-X8_COLS(q4_k, X8_Q4_K, QK, 16, 4) X8_COLS(q6_k, X8_Q6_K, QK, 16, Q6_RB) X8_COLS(q8_0, X8_Q8_0, 32, 1, 4)
-X8_COLS(q5_0, X8_Q5_0, 32, 1, 4)
-
+/* The K-quant bodies and every type's column loop, written once over the width (quant_gemm_q8_x8.h): x8_ in
+   256-bit vectors, one group of 8 rows; with AVX512-VNNI x16_ too, a pair of groups in 512-bit ones. */
+#define W 8
+#include "quant_gemm_q8_x8.h"
+#undef W
 #if defined(Q8_VNNI)
-#define X16_Q6_RB 8
-#define X16_COLS(T, BYTES, B, SB, RB)                                                                                      \
-    static inline __attribute__((always_inline)) void x16_##T##_rows(const int8_t* xq, const float* xd,          \
-        const int16_t* xs, const uint8_t* w, float* y, int64_t r0, int nr, int64_t K, int64_t N, int64_t j) {    \
-        const int64_t nb = K / B, stride = BYTES; /* the pair's second group: the next block (_pair_groups) */  \
-        const uint8_t* g = w + (j / 8) * nb * BYTES;                                                            \
-        __m512 acc[XB];                                                                                         \
-        for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();                                              \
-        for (int64_t b = 0; b < nb; b++) {                                                                      \
-            const int8_t* a[XB];                                                                                \
-            const int16_t* s[XB];                                                                               \
-            float d[XB];                                                                                        \
-            for (int r = 0; r < nr; r++) {                                                                      \
-                a[r] = xq + (r0 + r) * K + b * B;                                                               \
-                s[r] = xs + ((r0 + r) * nb + b) * SB;                                                           \
-                d[r] = xd[(r0 + r) * nb + b];                                                                   \
-            }                                                                                                   \
-            if (r0 == 0)                                                                                        \
-                for (int l = 0; l < 2 * BYTES; l += 64)                                                         \
-                    _mm_prefetch((const char*)g + 2 * b * BYTES + X8_PREFETCH + l, _MM_HINT_T1);                \
-            x16_##T##_block(g + 2 * b * BYTES, stride, a, d, s, acc, nr);                                       \
-        }                                                                                                       \
-        for (int r = 0; r < nr; r++) _mm512_storeu_ps(y + (r0 + r) * N + j, acc[r]);                            \
-    }                                                                                                           \
-    static void x16_cols_##T(const int8_t* xq, const float* xd, const int16_t* xs, const uint8_t* w, float* y,  \
-                             int64_t R, int64_t K, int64_t N, int64_t n0, int64_t n1) {                         \
-        int64_t j = n0;                                                                                         \
-        for (; j + 16 <= n1; j += 16) {                                                                         \
-            int64_t r = 0;                                                                                      \
-            for (; r + RB <= R; r += RB) x16_##T##_rows(xq, xd, xs, w, y, r, RB, K, N, j);                      \
-            switch (R - r) {                                                                                    \
-                case 7: if (RB > 7) x16_##T##_rows(xq, xd, xs, w, y, r, 7, K, N, j); break;                     \
-                case 6: if (RB > 6) x16_##T##_rows(xq, xd, xs, w, y, r, 6, K, N, j); break;                     \
-                case 5: if (RB > 5) x16_##T##_rows(xq, xd, xs, w, y, r, 5, K, N, j); break;                     \
-                case 4: if (RB > 4) x16_##T##_rows(xq, xd, xs, w, y, r, 4, K, N, j); break;                     \
-                case 3: if (RB > 3) x16_##T##_rows(xq, xd, xs, w, y, r, 3, K, N, j); break;                     \
-                case 2: if (RB > 2) x16_##T##_rows(xq, xd, xs, w, y, r, 2, K, N, j); break;                     \
-                case 1: x16_##T##_rows(xq, xd, xs, w, y, r, 1, K, N, j); break;                                 \
-            }                                                                                                   \
-        }                                                                                                       \
-        if (j < n1) x8_cols_##T(xq, xd, xs, w, y, R, K, N, j, n1); /* an odd group at the end */                \
-    }
-X16_COLS(q4_k, X8_Q4_K, QK, 16, 4) X16_COLS(q6_k, X8_Q6_K, QK, 16, X16_Q6_RB)
+#define W 16
+#include "quant_gemm_q8_x8.h"
+#undef W
 #else
 #define x16_cols_q4_k x8_cols_q4_k
 #define x16_cols_q6_k x8_cols_q6_k
