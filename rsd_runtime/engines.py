@@ -240,8 +240,9 @@ class AutoDrafter:
     def observe(
         self, tree: DraftTree, accepted: int, forward_ms: float, round_trip_ms: float, draft_ms: float, rows: int = 0
     ) -> None:
-        """A model step whose forward also ran the tokens the runner was behind (the prompt, or steps drafted
-        from the context) teaches the catch-up cost, not a level's (rsd.auto.AutoPolicy.observe)."""
+        """A model step whose forward also ran the tokens the runner was behind (steps drafted from the context
+        or plain) teaches the catch-up cost, not a level's; one further behind (a prompt) teaches neither
+        (rsd.auto.AutoPolicy.observe)."""
         tops = chain_tops(tree)
         self.policy.observe(self.plan, tops, accepted, forward_ms, round_trip_ms, draft_ms, rows, self.behind)
 

@@ -453,7 +453,7 @@ int q8_gemm(const float* x, const uint8_t* w, float* y, int64_t R, int64_t K, in
 #define X8_Q8_0 272
 #define X8_Q5_0 176
 #define X8_PREFETCH 8192 /* bytes ahead in the weight stream, into L2 (measured: T0, NTA and 1-32 kB lose) */
-#define XB 8 /* at most this many input rows multiplied with each decoded weight vector (X8_COLS' RB) */
+#define XB 8 /* at most this many input rows multiplied with each decoded weight vector (XCOLS' RB, quant_gemm_q8_x8.h) */
 #if defined(Q8_VNNI) /* AVX512-VL's 32 vector registers hold Q6_K's accumulators for 8 rows (measured: 10-15 %
                         faster at 5-13 rows; Q4_K's lo/hi/S for 8 rows spill, 4 it keeps) */
 #define Q6_RB 8
