@@ -37,14 +37,14 @@ import torch
 from torch import Tensor
 
 from rsd.random import Draw, StepRandom
-from rsd.sampling import check_probs, gumbel_top_k, sample, support
+from rsd.sampling import check_probs, sample, support, without_replacement
 from rsd.tree import DraftTree
 
 
 class DraftMode(StrEnum):
     """How draft_tree picks a node's K children from its proposal law."""
 
-    WITHOUT_REPLACEMENT = "without_replacement"  # Gumbel-Top-K, in sampling order: RSD-C (SD when K = 1)
+    WITHOUT_REPLACEMENT = "without_replacement"  # Gumbel-Top-K's law, in sampling order: RSD-C (SD when K = 1)
     IID = "iid"  # K i.i.d. samples, repeats allowed: SpecInfer; SpecTr's chains
     GREEDY = "greedy"  # the K most likely tokens, most likely first: every method at temperature 0
 
@@ -149,7 +149,7 @@ def draft_tree(
         elif mode is DraftMode.WITHOUT_REPLACEMENT:
             # DEVIATION: the paper's branching is constant; past a law's support no distinct token is
             # left, so the node keeps fewer children (Sequoia drafts uniformly there instead).
-            child_ids, valid_mask = gumbel_top_k(probs, min(k, probs.shape[-1]), rng, node_idx, depth)  # [F, k]
+            child_ids, valid_mask = without_replacement(probs, min(k, probs.shape[-1]), rng, node_idx, depth)  # [F, k]
         else:
             top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)  # [F, k]
             child_ids, valid_mask = top.indices, top.values > 0

@@ -44,11 +44,12 @@ class Stream(IntEnum):
 class Draw(IntEnum):
     """What a uniform is for; the counter's third word keeps each use apart."""
 
-    GUMBEL = 0  # a node's children without replacement (RSD-C, RSD-S): column = token id
+    GUMBEL = 0  # a node's Gumbel noise (RSD-S; every method's children under Stream.COUPLED): column = token id
     IID = 1  # a node's i.i.d. children (SpecInfer, SpecTr): column = the draw's rank
     ACCEPT = 2  # the acceptance test of a node's k-th child: column = k
     TOKEN = 3  # the correction or bonus token emitted at a node (or an autoregressive token): column 0
     BLOCK = 4  # Stream.COUPLED: a block of token ids' first arrival (StepRandom.first_arrivals): column = block
+    ORDERED = 5  # a node's children without replacement by inversion (SD, RSD-C): column = the child's rank
 
 
 def philox4x32(counter: Tensor, key: tuple[int, int]) -> Tensor:

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from rsd.penalties import Penalties, TokenCounts, penalised
-from rsd.random import StepRandom
+from rsd.random import Draw, StepRandom, Stream
 
 MIN_TEMPERATURE = 1e-2  # below it (but 0) logits / temperature can overflow float32: refused, not clamped
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound: a bias of -100 bans a token in practice, +100 all but forces it
@@ -264,6 +264,43 @@ def support(probs: Tensor) -> tuple[Tensor, Tensor | None]:
         return probs, None
     top = torch.topk(values, max(s, 1), dim=-1)
     return top.values, top.indices if ids is None else ids.gather(-1, top.indices)
+
+
+def without_replacement(
+    probs: Tensor, k: int, rng: StepRandom, node_idx: Tensor, depth: int = 0
+) -> tuple[Tensor, Tensor]:
+    """Ordered sample of k tokens without replacement from each row of probs [F, V] at tree nodes node_idx [F]:
+    x_1 ~ p, x_2 ~ p without x_1 renormalised, ... (the Plackett-Luce law Gumbel-top-k samples), each by
+    inversion with one uniform, rng's (Draw.ORDERED, node, rank). -> ids [F, k] in sampling order, valid [F, k]
+    (False past a row's support size).
+
+    A Gumbel-top-k needs a Philox counter per token (151,936 of them: ~15 ms a node on two cores); this needs k
+    cumulative sums over the support. Stream.COUPLED keeps gumbel_top_k: rsd.coupled needs the noise itself.
+    """
+    if rng.stream is Stream.COUPLED:
+        return gumbel_top_k(probs, k, rng, node_idx, depth)
+    check_probs(probs)
+    values, ids = support(probs)  # [F, S] each
+    if ids is not None:  # in id order, so a uniform picks the token it picks over all of V
+        ids, order = ids.sort(-1)
+        values = values.gather(-1, order)
+    values = values.to(torch.float64)
+    size = (values > 0).sum(-1)  # [F]
+    u = rng.uniform(Draw.ORDERED, node_idx[:, None], torch.arange(k, device=probs.device))  # [F, k]
+    rows = torch.arange(values.shape[0], device=probs.device)  # [F]
+    picked = []
+    for i in range(k):
+        left = size > i  # [F]: rows with a token left to draw
+        if i and not bool(left.any()):
+            picked += [picked[-1]] * (k - i)
+            break
+        col = sample(torch.where(left[:, None], values, 1.0), u[:, i])  # [F]; an exhausted row draws a dummy
+        values = values.index_put((rows, col), torch.zeros((), dtype=values.dtype, device=values.device))
+        picked.append(col)
+    cols = torch.stack(picked, -1)  # [F, k]
+    valid = torch.arange(k, device=probs.device) < size[:, None]  # [F, k]
+    top_ids = cols if ids is None else ids.gather(-1, cols)
+    return top_ids.masked_fill(~valid, 0), valid
 
 
 def gumbel_top_k(probs: Tensor, k: int, rng: StepRandom, node_idx: Tensor, depth: int = 0) -> tuple[Tensor, Tensor]:

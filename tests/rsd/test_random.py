@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from rsd.random import Draw, StepRandom, Stream, _philox_ints, philox4x32
-from rsd.sampling import gumbel_top_k
+from rsd.sampling import gumbel_top_k, without_replacement
 from tests.fixtures.toy import chi_square_pvalue
 
 # Random123's kat_vectors for philox4x32-10: (counter, key, output)
@@ -52,16 +52,17 @@ def test_a_draw_depends_on_its_key_alone():
     law = torch.zeros(2, 40_000)
     law[:, torch.arange(0, 40_000, 157)] = torch.rand(2, 255, generator=torch.Generator().manual_seed(0)) + 0.5
     law = law / law.sum(-1, keepdim=True)
-    picks = {
-        str(dtype): gumbel_top_k(law.to(dtype), 4, rng, nodes[:2])[0].tolist()
-        for dtype in (torch.float32, torch.float64, torch.bfloat16)
-    }
-    assert len(set(map(str, picks.values()))) <= 2  # bfloat16 rounds the law itself; the draws are shared
-    assert picks["torch.float32"] == picks["torch.float64"]
-    narrow = law[:, :4_000] / law[:, :4_000].sum(-1, keepdim=True)  # denser: no block search
-    wide = torch.zeros(2, 40_000)
-    wide[:, :4_000] = narrow
-    assert gumbel_top_k(narrow, 4, rng, nodes[:2])[0].tolist() == gumbel_top_k(wide, 4, rng, nodes[:2])[0].tolist()
+    for sampler in (gumbel_top_k, without_replacement):
+        picks = {
+            str(dtype): sampler(law.to(dtype), 4, rng, nodes[:2])[0].tolist()
+            for dtype in (torch.float32, torch.float64, torch.bfloat16)
+        }
+        assert len(set(map(str, picks.values()))) <= 2  # bfloat16 rounds the law itself; the draws are shared
+        assert picks["torch.float32"] == picks["torch.float64"]
+        narrow = law[:, :4_000] / law[:, :4_000].sum(-1, keepdim=True)  # denser: no block search
+        wide = torch.zeros(2, 40_000)
+        wide[:, :4_000] = narrow
+        assert sampler(narrow, 4, rng, nodes[:2])[0].tolist() == sampler(wide, 4, rng, nodes[:2])[0].tolist()
 
 
 def test_uniforms_are_exact_in_float64_and_inside_the_open_interval():

@@ -15,7 +15,9 @@ from rsd.sampling import (
     support,
     top_k_indices,
     truncate,
+    without_replacement,
 )
+from tests.fixtures.toy import chi_square_pvalue
 
 
 def test_truncate_top_k_top_p():
@@ -96,12 +98,53 @@ def test_logits_to_probs_temperature_and_greedy():
         SamplingParams(top_p=0)
 
 
-def test_sample_and_gumbel_top_k_respect_support():
+def test_sample_and_the_samplers_without_replacement_respect_support():
     rng = StepRandom(0, Stream.DRAFT, 0)
     probs = torch.tensor([[0.0, 0.5, 0.5, 0.0]]).expand(200, -1)
     assert set(sample(probs, rng.uniform(Draw.IID, 0, torch.arange(200))).tolist()) == {1, 2}
-    ids, valid = gumbel_top_k(probs[:1], 3, rng, torch.tensor([0]))
-    assert valid.tolist() == [[True, True, False]] and set(ids[0, :2].tolist()) == {1, 2}
+    for sampler in (gumbel_top_k, without_replacement):
+        ids, valid = sampler(probs[:1], 3, rng, torch.tensor([0]))
+        assert valid.tolist() == [[True, True, False]] and set(ids[0, :2].tolist()) == {1, 2}
+    # rows of different support sizes in one call: each keeps its own count of children
+    ids, valid = without_replacement(torch.tensor([[0.0, 1.0, 0.0], [0.2, 0.3, 0.5]]), 3, rng, torch.tensor([0, 1]))
+    assert valid.tolist() == [[True, False, False], [True, True, True]]
+    assert ids[0, 0] == 1 and sorted(ids[1].tolist()) == [0, 1, 2]
+
+
+def _plackett_luce(law: list[float], order: tuple[int, ...]) -> float:
+    """The chance that sampling without replacement from law draws `order` first, in that order."""
+    chance, left = 1.0, 1.0
+    for t in order:
+        chance, left = chance * law[t] / left, left - law[t]
+    return chance
+
+
+def test_without_replacement_draws_the_plackett_luce_law():
+    """Sequential inversion samples the law Gumbel-top-k samples: x_1 ~ p, x_2 ~ p without x_1, ... (2 of 4
+    tokens, 20,000 keys: one per step position; fixed seeds)."""
+    law = [0.1, 0.4, 0.2, 0.3]
+    probs = torch.tensor([law, law[::-1]])  # two rows, two nodes: each its own draws
+    n = 20_000
+    counts = [{}, {}]
+    for position in range(n):
+        ids, _ = without_replacement(probs, 2, StepRandom(5, Stream.DRAFT, position), torch.tensor([0, 3]))
+        for row, c in zip(ids.tolist(), counts, strict=True):
+            c[tuple(row)] = c.get(tuple(row), 0) + 1
+    for row_law, c in zip((law, law[::-1]), counts, strict=True):
+        expected = {(a, b): _plackett_luce(row_law, (a, b)) for a in range(4) for b in range(4) if a != b}
+        assert chi_square_pvalue(c, expected, n) > 1e-3
+
+
+def test_without_replacement_draws_by_inversion_and_keeps_the_coupled_noise():
+    """Its first child is sample()'s draw with the (ORDERED, node, 0) uniform; under Stream.COUPLED the
+    children are the Gumbel-top-k of the position's shared noise (rsd.coupled needs that noise)."""
+    probs = torch.softmax(_logits(3, 500), -1)
+    nodes = torch.tensor([0, 4, 7])
+    rng = StepRandom(11, Stream.DRAFT, 40)
+    ids, _ = without_replacement(probs, 1, rng, nodes)
+    assert ids[:, 0].tolist() == sample(probs, rng.uniform(Draw.ORDERED, nodes[:, None], torch.zeros(1))[:, 0]).tolist()
+    coupled = StepRandom(11, Stream.COUPLED, 40)
+    assert torch.equal(without_replacement(probs, 3, coupled, nodes)[0], gumbel_top_k(probs, 3, coupled, nodes)[0])
 
 
 def test_sample_inverts_the_cumulative_law():
@@ -121,8 +164,9 @@ def test_samplers_refuse_a_row_that_is_not_a_law(row):
     probs = torch.tensor([[0.25, 0.25, 0.25, 0.25], row])
     with pytest.raises(ValueError, match=r"row 1 of \(2,\)\) is not a law"):
         sample(probs, torch.full((2,), 0.5, dtype=torch.float64))
-    with pytest.raises(ValueError, match="not a law"):
-        gumbel_top_k(probs, 2, StepRandom(0, Stream.DRAFT, 0), torch.tensor([0, 1]))
+    for sampler in (gumbel_top_k, without_replacement):
+        with pytest.raises(ValueError, match="not a law"):
+            sampler(probs, 2, StepRandom(0, Stream.DRAFT, 0), torch.tensor([0, 1]))
 
 
 def test_logit_bias_is_added_to_the_logits_before_the_rest():
