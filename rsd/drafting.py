@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from rsd.random import Draw, StepRandom
-from rsd.sampling import check_probs, sample, support, without_replacement
+from rsd.sampling import check_probs, sample, support, support_by_id, without_replacement
 from rsd.tree import DraftTree
 
 
@@ -137,10 +137,7 @@ def draft_tree(
             probs = probs[torch.tensor(grows, device=probs.device)]
         node_idx = torch.tensor(frontier, dtype=torch.long, device=probs.device)  # [F]
         if mode is DraftMode.IID:
-            values, ids = support(probs)  # [F, S]: draw over the support only (same law)
-            if ids is not None:  # in id order, so a uniform picks the token it picks over all of V
-                ids, order = ids.sort(-1)
-                values = values.gather(-1, order)
+            values, ids = support_by_id(probs)  # [F, S]: draw over the support only (same law)
             u = rng.uniform(Draw.IID, node_idx[:, None], torch.arange(k, device=probs.device))  # [F, k]
             child_ids = sample(values.unsqueeze(1).expand(-1, k, -1), u)  # [F, k]
             if ids is not None:

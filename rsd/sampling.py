@@ -266,6 +266,16 @@ def support(probs: Tensor) -> tuple[Tensor, Tensor | None]:
     return top.values, top.indices if ids is None else ids.gather(-1, top.indices)
 
 
+def support_by_id(probs: Tensor) -> tuple[Tensor, Tensor | None]:
+    """support(probs) with each row's entries in increasing id order, for inversion: a uniform then picks the
+    token it picks over all of V."""
+    values, ids = support(probs)  # [..., S] each
+    if ids is not None:
+        ids, order = ids.sort(-1)
+        values = values.gather(-1, order)
+    return values, ids
+
+
 def without_replacement(
     probs: Tensor, k: int, rng: StepRandom, node_idx: Tensor, depth: int = 0
 ) -> tuple[Tensor, Tensor]:
@@ -280,10 +290,7 @@ def without_replacement(
     if rng.stream is Stream.COUPLED:
         return gumbel_top_k(probs, k, rng, node_idx, depth)
     check_probs(probs)
-    values, ids = support(probs)  # [F, S] each
-    if ids is not None:  # in id order, so a uniform picks the token it picks over all of V
-        ids, order = ids.sort(-1)
-        values = values.gather(-1, order)
+    values, ids = support_by_id(probs)  # [F, S] each
     values = values.to(torch.float64)
     size = (values > 0).sum(-1)  # [F]
     u = rng.uniform(Draw.ORDERED, node_idx[:, None], torch.arange(k, device=probs.device))  # [F, k]
